@@ -1,0 +1,110 @@
+"""The Communicator interface every backend (tcp, mpi, nccl, self) implements.
+
+Backends see only flat (1-D), C-contiguous arrays that meshcomm owns and may overwrite.
+Shapes, axes, ``tiled``, dtype checks, ``avg`` and ``premul_sum`` live above, once, in
+:mod:`meshcomm.group`. Ranks here are ranks *within this communicator*; ``global_ranks``
+maps them to world ranks for error messages.
+
+Reduce ops reaching a backend are the primitive ones: SUM, PROD, MIN, MAX, BAND, BOR, BXOR.
+Every blocking method raises :class:`~meshcomm.errors.CommTimeout` after the communicator's
+timeout and :class:`~meshcomm.errors.PeerError` (naming the global rank) when a peer is gone.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshcomm.reduction import ReduceOp
+
+__all__ = ["Communicator"]
+
+
+class Communicator(ABC):
+    """Collective primitives over contiguous 1-D buffers, for one group of processes.
+
+    A communicator is used by one thread at a time (the group layer serializes calls).
+
+    Attributes:
+        rank: this process's rank in the communicator.
+        size: number of processes in the communicator.
+        global_ranks: world rank of each communicator rank.
+        backend_name: "tcp", "mpi", "nccl" or "self".
+        timeout: seconds a blocking call waits for a peer.
+    """
+
+    backend_name: str = "abstract"
+
+    def __init__(self, rank: int, global_ranks: Sequence[int], timeout: float) -> None:
+        self.rank = rank
+        self.global_ranks: tuple[int, ...] = tuple(global_ranks)
+        self.size = len(self.global_ranks)
+        self.timeout = timeout
+
+    # -- collectives ---------------------------------------------------------------------
+    @abstractmethod
+    def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+        """Reduce ``buf`` across ranks, in place on every rank."""
+
+    @abstractmethod
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Fill ``recv`` (``size * len(send)`` elements) with every rank's ``send``, by rank."""
+
+    @abstractmethod
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        """Reduce ``send`` (``size * n`` elements) across ranks; rank r gets block r in ``recv``."""
+
+    @abstractmethod
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Send block j of ``send`` to rank j; block i of ``recv`` comes from rank i."""
+
+    @abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Copy root's ``buf`` into every rank's ``buf``."""
+
+    @abstractmethod
+    def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
+        """Reduce ``buf`` onto root, in place there; other ranks' ``buf`` may be clobbered."""
+
+    @abstractmethod
+    def gather(self, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
+        """On root, fill ``recv`` (``size * len(send)``) with every rank's ``send``."""
+
+    @abstractmethod
+    def scatter(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        """Rank r receives block r of root's ``send`` (``size * len(recv)``) into ``recv``."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+
+    # -- point to point ------------------------------------------------------------------
+    @abstractmethod
+    def send(self, array: np.ndarray, dst: int, tag: int) -> None:
+        """Send a contiguous array of any shape; its dtype and shape travel with it."""
+
+    @abstractmethod
+    def recv(self, src: int | None, tag: int) -> tuple[np.ndarray, int]:
+        """Receive an array sent with ``tag`` from ``src`` (None: any rank).
+
+        Returns:
+            The array (a new one, with the sender's shape and dtype) and the sender's rank.
+        """
+
+    @abstractmethod
+    def permute(self, send: np.ndarray, dst: int | None, recv: np.ndarray, src: int | None) -> None:
+        """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (either may be None)."""
+
+    # -- groups and lifetime -------------------------------------------------------------
+    @abstractmethod
+    def sub(self, ranks: Sequence[int]) -> Communicator:
+        """Return a communicator over ``ranks`` (ranks of this communicator, in new-rank order).
+
+        Called only by the members of ``ranks``, each passing the same list.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what this communicator holds. Idempotent."""

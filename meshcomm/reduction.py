@@ -1,0 +1,114 @@
+"""Reduce operations: names, dtype rules, and the numpy kernels every backend shares."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from meshcomm.errors import InvalidArgument
+
+__all__ = ["ReduceOp", "check_op_dtype", "combine", "parse_op"]
+
+
+class ReduceOp(str, enum.Enum):
+    """A reduction. ``AVG`` and ``PREMUL_SUM`` are composed from ``SUM`` above the backends.
+
+    Example:
+        >>> ReduceOp("sum") is ReduceOp.SUM
+        True
+    """
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+    PREMUL_SUM = "premul_sum"
+
+
+_ALIASES = {"product": ReduceOp.PROD, "mean": ReduceOp.AVG}
+
+_UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+_BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
+_ORDERED = {ReduceOp.MIN, ReduceOp.MAX}
+
+
+def parse_op(op: str | ReduceOp) -> ReduceOp:
+    """Return the ``ReduceOp`` named by ``op`` (case-insensitive; ``ReduceOp`` passes through).
+
+    Raises:
+        InvalidArgument: the name is not a reduce op; lists the valid names.
+
+    Example:
+        >>> parse_op("MAX")
+        <ReduceOp.MAX: 'max'>
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    name = getattr(op, "name", op)  # accepts foreign enums such as torch's ReduceOp.SUM
+    if isinstance(name, str):
+        lowered = name.lower()
+        if lowered in _ALIASES:
+            return _ALIASES[lowered]
+        try:
+            return ReduceOp(lowered)
+        except ValueError:
+            pass
+    valid = ", ".join(o.value for o in ReduceOp)
+    raise InvalidArgument(f"unknown reduce op {op!r}; valid ops: {valid}")
+
+
+def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
+    """Raise ``TypeError`` when ``op`` is undefined for ``dtype``.
+
+    Complex numbers have no order (min/max) and no bits (band/bor/bxor); floats have no bits;
+    avg and premul_sum need an inexact (float or complex) dtype.
+
+    Example:
+        >>> check_op_dtype(ReduceOp.MAX, np.dtype("complex64"))
+        Traceback (most recent call last):
+        ...
+        TypeError: reduce op 'max' is not defined for complex64 (complex numbers have no order)
+    """
+    kind = np.dtype(dtype).kind
+    name = np.dtype(dtype).name
+    if op in _ORDERED and kind == "c":
+        raise TypeError(
+            f"reduce op {op.value!r} is not defined for {name} (complex numbers have no order)"
+        )
+    if op in _BITWISE and kind not in "biu":
+        raise TypeError(f"reduce op {op.value!r} needs a bool or integer dtype, got {name}")
+    if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and kind not in "fcV":
+        raise TypeError(
+            f"reduce op {op.value!r} needs a float or complex dtype, got {name}; "
+            "use 'sum' and divide"
+        )
+
+
+def combine(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
+    """Reduce ``other`` into ``acc`` in place: ``acc = op(acc, other)``.
+
+    ``op`` must be a primitive op (not ``AVG`` or ``PREMUL_SUM``, which compose from ``SUM``).
+
+    Example:
+        >>> acc = np.array([1, 5]); combine(ReduceOp.MAX, acc, np.array([3, 2])); acc
+        array([3, 5])
+    """
+    ufunc = _UFUNCS.get(op)
+    if ufunc is None:
+        raise InvalidArgument(f"reduce op {op.value!r} is composed above the backend, not combined")
+    # On bool, numpy's add/multiply are logical or/and: what sum/prod mean for bool.
+    ufunc(acc, other, out=acc)
