@@ -1,0 +1,141 @@
+"""Shared pieces of the collective algorithms: block boundaries, binomial trees, scratch memory.
+
+Nothing here does I/O. Everything is small integer arithmetic that every rank computes the
+same way, which is what keeps the two ends of every message agreeing on its size.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "block_bounds",
+    "rel_pieces",
+    "scratch",
+    "subtree_size",
+    "tree_children",
+    "tree_parent",
+    "wrap_ranges",
+]
+
+#: Scratch buffers larger than this are not kept between calls (they would pin memory).
+SCRATCH_CACHE_MAX_BYTES = 64 << 20
+
+# Offsets of carved scratch arrays are rounded up to a cache line, which also satisfies the
+# alignment of every numpy dtype (complex128 needs 16).
+_ALIGN = 64
+
+_cache_lock = threading.Lock()
+_cache: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def block_bounds(count: int, parts: int) -> list[int]:
+    """Return the ``parts + 1`` boundaries of ``count`` elements split ``np.array_split`` style.
+
+    The first ``count % parts`` blocks hold one element more than the rest, so block 0 is
+    always a largest one.
+
+    Example:
+        >>> block_bounds(7, 3)
+        [0, 3, 5, 7]
+    """
+    q, rem = divmod(count, parts)
+    return [i * q + min(i, rem) for i in range(parts + 1)]
+
+
+def wrap_ranges(start: int, count: int, size: int) -> list[tuple[int, int]]:
+    """Split the cyclic block range ``start, start + 1, ... (mod size)`` into linear ranges.
+
+    Example:
+        >>> wrap_ranges(3, 3, 4)
+        [(3, 4), (0, 2)]
+    """
+    end = start + count
+    if end <= size:
+        return [(start, end)]
+    return [(start, size), (0, end - size)]
+
+
+def rel_pieces(lo: int, hi: int, root: int, size: int) -> list[tuple[int, int]]:
+    """Split relative ranks ``[lo, hi)`` where their absolute ranks wrap from ``size - 1`` to 0.
+
+    A relative rank ``v`` is the absolute rank ``(v + root) % size``. A message carrying the
+    blocks of ``[lo, hi)`` travels as one message per piece, so a root can receive straight
+    into its rank-ordered buffer; both ends compute the same pieces.
+
+    Example:
+        >>> rel_pieces(1, 4, root=2, size=4)
+        [(1, 2), (2, 4)]
+    """
+    cut = size - root
+    if lo < cut < hi:
+        return [(lo, cut), (cut, hi)]
+    return [(lo, hi)]
+
+
+def tree_parent(v: int) -> int:
+    """Return the parent of relative rank ``v > 0`` in the binomial tree rooted at 0."""
+    return v - (v & -v)
+
+
+def subtree_size(v: int, size: int) -> int:
+    """Return how many relative ranks the binomial subtree of ``v`` covers: ``[v, v + n)``."""
+    if v == 0:
+        return size
+    return min(v & -v, size - v)
+
+
+def tree_children(v: int, size: int) -> list[int]:
+    """Return the children of relative rank ``v``, nearest (smallest subtree) first.
+
+    Example:
+        >>> tree_children(0, 6), tree_children(4, 6), tree_children(3, 6)
+        ([1, 2, 4], [5], [])
+    """
+    limit = size if v == 0 else (v & -v)
+    children = []
+    mask = 1
+    while mask < limit and v + mask < size:
+        children.append(v + mask)
+        mask <<= 1
+    return children
+
+
+def scratch(link: object, dtype: np.dtype, *counts: int) -> list[np.ndarray]:
+    """Return one uninitialized array of ``dtype`` per count, carved from a per-link buffer.
+
+    The buffer is kept between calls (up to ``SCRATCH_CACHE_MAX_BYTES``), so steady-state
+    collectives allocate nothing. A link is used by one thread at a time, and every algorithm
+    takes its scratch once per call, so two live carvings never overlap.
+    """
+    itemsize = dtype.itemsize
+    offsets = []
+    total = 0
+    for count in counts:
+        offsets.append(total)
+        total += -(-count * itemsize // _ALIGN) * _ALIGN
+    raw = _raw_buffer(link, total)
+    return [
+        raw[off : off + count * itemsize].view(dtype)
+        for off, count in zip(offsets, counts, strict=True)
+    ]
+
+
+def _raw_buffer(link: object, nbytes: int) -> np.ndarray:
+    if nbytes > SCRATCH_CACHE_MAX_BYTES:
+        return np.empty(nbytes, np.uint8)
+    try:
+        with _cache_lock:
+            cached = _cache.get(link)
+            if cached is not None and cached.nbytes >= nbytes:
+                return cached
+            fresh = np.empty(max(nbytes, _ALIGN), np.uint8)
+            _cache[link] = fresh
+            return fresh
+    except TypeError:
+        # The link is not hashable or not weakly referenceable: no cache, just allocate.
+        return np.empty(nbytes, np.uint8)
