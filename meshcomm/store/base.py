@@ -13,7 +13,17 @@ from collections.abc import Sequence
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["MAX_KEY_BYTES", "MAX_VALUE_BYTES", "Store", "Value", "encode_key", "encode_value"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_VALUE_BYTES",
+    "Store",
+    "Value",
+    "check_amount",
+    "encode_key",
+    "encode_keys",
+    "encode_value",
+    "show_keys",
+]
 
 #: Largest key, in UTF-8 bytes, any store accepts.
 MAX_KEY_BYTES = 4096
@@ -41,6 +51,55 @@ def encode_key(key: str) -> bytes:
             f"store key must have 1 to {MAX_KEY_BYTES} UTF-8 bytes, got {len(raw)}: {key[:64]!r}"
         )
     return raw
+
+
+def encode_keys(keys: Sequence[str]) -> list[bytes]:
+    """Validate a sequence of keys and return their UTF-8 bytes.
+
+    A lone ``str`` is refused rather than read as a sequence of one-letter keys.
+
+    Raises:
+        InvalidArgument: ``keys`` is a single str/bytes, or one of the keys is invalid.
+
+    Example:
+        >>> encode_keys(["a", "b"])
+        [b'a', b'b']
+    """
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise InvalidArgument(f"keys must be a sequence of str such as a list, got {keys!r:.64}")
+    return [encode_key(key) for key in keys]
+
+
+def check_amount(amount: int) -> int:
+    """Validate the amount of an ``add``: an int that fits a signed 64-bit counter.
+
+    Raises:
+        TypeError: ``amount`` is not an int.
+        InvalidArgument: ``amount`` is outside the signed 64-bit range.
+
+    Example:
+        >>> check_amount(-3)
+        -3
+    """
+    if not isinstance(amount, int) or isinstance(amount, bool):
+        raise TypeError(f"store add amount must be an int, got {type(amount).__name__} {amount!r}")
+    if not -(2**63) <= amount < 2**63:
+        raise InvalidArgument(f"store add amount must fit in a signed 64-bit int, got {amount}")
+    return amount
+
+
+def show_keys(keys: Sequence[str] | Sequence[bytes], limit: int = 8) -> str:
+    """Format keys for an error message, at most ``limit`` of them.
+
+    Example:
+        >>> show_keys(["a", "b"])
+        "'a', 'b'"
+    """
+    shown = [k.decode(errors="replace") if isinstance(k, bytes) else k for k in keys[:limit]]
+    text = ", ".join(repr(k) for k in shown)
+    if len(keys) > limit:
+        text += f" and {len(keys) - limit} more"
+    return text
 
 
 def encode_value(value: Value) -> bytes:
@@ -112,15 +171,22 @@ class Store(ABC):
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer counter at ``key`` (created at 0).
 
+        The counter is stored as its decimal ASCII text, so ``get`` returns e.g. ``b"5"``.
+
         Returns:
             The counter's new value.
+
+        Raises:
+            StoreError: ``key`` holds a value that is not a decimal integer, or the counter
+                would leave the signed 64-bit range.
         """
 
     @abstractmethod
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         """Atomically set ``key`` to ``desired`` if its value equals ``expected``.
 
-        A missing key counts as matching an empty ``expected``.
+        A missing key counts as matching an empty ``expected``. As in torch.distributed, a
+        missing key with a non-empty ``expected`` is left missing and ``expected`` is returned.
 
         Returns:
             The value of ``key`` after the operation (``desired`` if it was swapped in).

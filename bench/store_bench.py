@@ -1,0 +1,200 @@
+"""Benchmark the TCPStore: small-op throughput for one client, and a 512-client rendezvous.
+
+Run:  .venv/bin/python bench/store_bench.py [--ops 20000] [--clients 512] [--procs 8]
+
+Part 1 starts ``python -m meshcomm.store`` as a separate process and times one client doing
+small set/get/add operations over loopback, twice: with the client and server free to run on
+any CPU, and with both pinned to one CPU (on small virtual machines a wake-up across CPUs
+costs more than the whole request, so pinning shows what the code itself costs). It also
+times a master TCPStore, whose server thread shares the client's process and GIL.
+
+Part 2 starts a fresh server and runs ``--clients`` clients (``--procs`` processes with
+threads in each) through a rendezvous: every client connects, adds 1 to a counter, the last
+one sets "go", and everyone blocks in ``get("go")``. It reports connection errors (resets
+included) and how long the rendezvous took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meshcomm.store import TCPStore
+
+HOST = "127.0.0.1"
+
+
+def start_server(cpu: int | None) -> tuple[subprocess.Popen[str], int]:
+    """Start ``python -m meshcomm.store`` (pinned to ``cpu`` if given); return it and its port."""
+    command = [sys.executable, "-m", "meshcomm.store", "--host", HOST, "--port", "0"]
+    if cpu is not None:
+        command = ["taskset", "-c", str(cpu), *command]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"store server did not start: {line!r}")
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def time_ops(store: TCPStore, ops: int, repeats: int) -> dict[str, float]:
+    """Ops per second (median of ``repeats`` runs) for small set, get, add and mixed."""
+    store.set("k", b"v" * 16)
+    cases: dict[str, Callable[[], object]] = {
+        "set": lambda: store.set("k", b"v" * 16),
+        "get": lambda: store.get("k"),
+        "add": lambda: store.add("n", 1),
+    }
+    rates: dict[str, float] = {}
+    for name, op in cases.items():
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(ops):
+                op()
+            samples.append(ops / (time.perf_counter() - start))
+        rates[name] = statistics.median(samples)
+    return rates
+
+
+def throughput(ops: int, repeats: int) -> list[tuple[str, dict[str, float]]]:
+    rows = []
+    can_pin = hasattr(os, "sched_setaffinity") and _has_taskset()
+    layouts: list[tuple[str, int | None]] = [("server process, any CPU", None)]
+    if can_pin:
+        layouts.append(("server process, same CPU", 0))
+    original = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    for label, cpu in layouts:
+        proc, port = start_server(cpu)
+        try:
+            if cpu is not None:
+                os.sched_setaffinity(0, {cpu})
+            store = TCPStore(HOST, port, timeout=30)
+            rows.append((label, time_ops(store, ops, repeats)))
+            store.close()
+        finally:
+            if original is not None:
+                os.sched_setaffinity(0, original)
+            stop_server(proc)
+    master = TCPStore(HOST, 0, is_master=True, timeout=30)
+    rows.append(("server thread in-process, any CPU", time_ops(master, ops, repeats)))
+    master.close()
+    return rows
+
+
+def _has_taskset() -> bool:
+    try:
+        subprocess.run(["taskset", "-V"], capture_output=True, check=False)
+    except OSError:
+        return False
+    return True
+
+
+# --- the rendezvous --------------------------------------------------------------------------
+
+
+def _rendezvous_process(port: int, threads: int, total: int) -> dict[str, Any]:
+    """One process of the rendezvous: ``threads`` clients, each in its own thread."""
+    errors: list[str] = []
+    connect_s: list[float] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        try:
+            start = time.perf_counter()
+            store = TCPStore(HOST, port, timeout=60)
+            took = time.perf_counter() - start
+            if store.add("arrived", 1) == total:
+                store.set("go", b"1")
+            store.get("go")
+            store.add("left", 1)
+            store.close()
+            with lock:
+                connect_s.append(took)
+        except Exception as exc:
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    pool = [threading.Thread(target=client) for _ in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(120)
+    return {"ok": len(connect_s), "errors": errors, "connect_s": connect_s}
+
+
+def rendezvous(clients: int, procs: int) -> dict[str, Any]:
+    proc, port = start_server(None)
+    try:
+        per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+        context = multiprocessing.get_context("spawn")
+        start = time.perf_counter()
+        with context.Pool(procs) as pool:
+            results = pool.starmap(_rendezvous_process, [(port, n, clients) for n in per])
+        elapsed = time.perf_counter() - start
+        check = TCPStore(HOST, port, timeout=10)
+        arrived, left = int(check.get("arrived")), int(check.get("left"))
+        check.close()
+    finally:
+        stop_server(proc)
+    errors = [e for r in results for e in r["errors"]]
+    connects = sorted(t for r in results for t in r["connect_s"])
+    return {
+        "clients": clients,
+        "procs": procs,
+        "ok": sum(r["ok"] for r in results),
+        "errors": errors,
+        "resets": sum("reset" in e.lower() for e in errors),
+        "arrived": arrived,
+        "left": left,
+        "elapsed_s": elapsed,
+        "connect_p50_ms": 1e3 * connects[len(connects) // 2] if connects else float("nan"),
+        "connect_max_ms": 1e3 * connects[-1] if connects else float("nan"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=20000, help="operations per timed run")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    parser.add_argument("--clients", type=int, default=512, help="rendezvous clients")
+    parser.add_argument("--procs", type=int, default=8, help="processes the clients run in")
+    args = parser.parse_args()
+
+    print(f"# one client, small ops (16-byte values), ops/s, median of {args.repeats} runs")
+    print(f"{'layout':<36}{'set':>10}{'get':>10}{'add':>10}")
+    for label, rates in throughput(args.ops, args.repeats):
+        print(f"{label:<36}{rates['set']:>10,.0f}{rates['get']:>10,.0f}{rates['add']:>10,.0f}")
+
+    print(f"\n# rendezvous: {args.clients} clients in {args.procs} processes")
+    res = rendezvous(args.clients, args.procs)
+    print(
+        f"clients ok {res['ok']}/{res['clients']}, errors {len(res['errors'])}, "
+        f"connection resets {res['resets']}, arrived {res['arrived']}, left {res['left']}"
+    )
+    print(
+        f"rendezvous wall time {res['elapsed_s']:.2f} s (includes spawning {res['procs']} "
+        f"processes); connect p50 {res['connect_p50_ms']:.1f} ms, "
+        f"max {res['connect_max_ms']:.1f} ms"
+    )
+    for error in res["errors"][:5]:
+        print("  error:", error)
+    return 0 if not res["errors"] and res["ok"] == res["clients"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

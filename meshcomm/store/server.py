@@ -1,0 +1,604 @@
+"""The TCPStore server: one thread, one ``selectors`` loop, non-blocking sockets.
+
+One thread serves every client, so 512 idle clients cost 512 sockets and nothing else. A
+``get``/``wait``/``multi_get`` on a missing key is parked server-side and answered when the
+key appears, or with a TIMEOUT frame when the deadline the client sent passes. A client that
+breaks the protocol (wrong magic, unknown opcode, oversized length prefix, garbage) is
+dropped alone; the others are never disturbed. Memory per connection stays bounded: the
+decoder refuses oversized frames from their header, a connection whose replies pile up
+(``_HIGH_WATER``) is not read until they drain, and parked requests per connection are capped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import heapq
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from meshcomm.errors import InvalidArgument, ProtocolError, StoreError
+from meshcomm.store import wire
+from meshcomm.store.memory import KVState
+
+__all__ = ["DEFAULT_BACKLOG", "StoreServer", "format_address"]
+
+#: ``listen()`` backlog: large so that hundreds of ranks can connect at once without resets.
+DEFAULT_BACKLOG = 2048
+
+_log = logging.getLogger("meshcomm.store")
+
+_RECV_BYTES = 256 * 1024
+# Stop reading a connection whose unsent replies exceed this; resume once they drain.
+_HIGH_WATER = 4 * 1024 * 1024
+# Parked (blocking) requests one connection may hold; a well-behaved client has one.
+_MAX_PARKED = 256
+# Pause accepting for this long when the process runs out of file descriptors.
+_ACCEPT_PAUSE = 0.1
+_ACCEPT_BATCH = 512
+_LISTENER = object()
+_WAKE = object()
+
+
+def format_address(host: str, port: int) -> str:
+    """Return ``host:port``, with brackets around an IPv6 literal.
+
+    Example:
+        >>> format_address("127.0.0.1", 29500), format_address("::1", 80)
+        ('127.0.0.1:29500', '[::1]:80')
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_host_port(host: str, port: int) -> None:
+    """Validate a store address before any I/O.
+
+    Raises:
+        InvalidArgument: ``host`` is not a non-empty str or ``port`` not an int in [0, 65535].
+    """
+    if not isinstance(host, str) or not host:
+        # An empty host would bind every interface; the store binds only what it is given.
+        raise InvalidArgument(f"store host must be a non-empty str, got {host!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise InvalidArgument(f"store port must be an int in [0, 65535], got {port!r}")
+
+
+class _Conn:
+    """One client connection: socket, decoder, unsent replies, parked requests."""
+
+    __slots__ = ("events", "out", "parked", "peer", "proto", "sock", "stalled")
+
+    def __init__(self, sock: socket.socket, peer: object) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.proto = wire.ServerConnection()
+        self.out = bytearray()
+        self.parked: set[_Waiter] = set()
+        self.events = selectors.EVENT_READ
+        # Complete requests wait in ``proto`` because ``out`` is over the high-water mark;
+        # the socket is not read until they are handled, so ``proto`` cannot grow.
+        self.stalled = False
+
+
+class _Waiter:
+    """A parked GET / WAIT / MULTI_GET, filed under one of its missing keys."""
+
+    __slots__ = ("conn", "deadline", "done", "key", "keys", "op", "rid")
+
+    def __init__(
+        self, conn: _Conn, rid: int, op: int, keys: list[bytes], key: bytes, deadline: float
+    ) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.op = op
+        self.keys = keys
+        self.key = key
+        self.deadline = deadline
+        self.done = False
+
+
+class StoreServer:
+    """A TCPStore server that runs without a client of its own (``meshrun`` hosts one).
+
+    The socket is bound in the constructor, so :attr:`port` is known at once (pass port 0
+    for a free port) and a port in use fails there. :meth:`start` serves from a daemon
+    thread; :meth:`serve_forever` serves from the calling thread until :meth:`stop`.
+
+    Args:
+        host: the address to bind, exactly as given (e.g. ``"127.0.0.1"`` for one host).
+        port: the port to bind; 0 picks a free one.
+        backlog: the ``listen()`` backlog.
+
+    Raises:
+        InvalidArgument: empty host or a port outside [0, 65535].
+        StoreError: the address cannot be bound (port in use, unknown host); names host:port.
+
+    Example:
+        >>> from meshcomm.store import TCPStore
+        >>> with StoreServer("127.0.0.1", 0) as server:
+        ...     client = TCPStore("127.0.0.1", server.port, timeout=5)
+        ...     client.set("k", "v")
+        ...     print(client.get("k"))
+        ...     client.close()
+        b'v'
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backlog: int = DEFAULT_BACKLOG):
+        check_host_port(host, port)
+        self._host = host
+        self._listener = _bind(host, port, backlog)
+        self._port: int = self._listener.getsockname()[1]
+        self._state = KVState()
+        self._rbuf = bytearray(_RECV_BYTES)
+        self._rview = memoryview(self._rbuf)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._conns: set[_Conn] = set()
+        self._ready: set[_Conn] = set()
+        self._waiters: dict[bytes, list[_Waiter]] = {}
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._stale_deadlines = 0
+        self._seq = itertools.count()
+        self._accept_resume: float | None = None
+        self._registered = 0
+        self._clients_cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._lifecycle = threading.Lock()
+        self._stopping = False
+        self._serving = False
+        self._closed = False
+
+    # --- public ------------------------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        """The host the server is bound to, as given."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The bound port (the kernel's pick when constructed with port 0)."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the server."""
+        return format_address(self._host, self._port)
+
+    @property
+    def num_connections(self) -> int:
+        """Client connections open right now."""
+        return len(self._conns)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for all connections: unparsed input plus unsent replies (approximate)."""
+        return sum(len(c.out) + c.proto.buffered for c in list(self._conns))
+
+    @property
+    def registered_clients(self) -> int:
+        """Clients that have registered so far (TCPStore constructors; see ``wait_for_clients``)."""
+        return self._registered
+
+    def start(self) -> StoreServer:
+        """Serve from a daemon thread; returns self.
+
+        Raises:
+            StoreError: the server was already started or closed.
+        """
+        with self._lifecycle:
+            if self._closed or self._thread is not None or self._serving:
+                raise StoreError(f"store server at {self.address} was already started or closed")
+            self._thread = threading.Thread(
+                target=self.serve_forever, name=f"meshcomm-store-{self._port}", daemon=True
+            )
+            self._serving = True
+            self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until :meth:`stop` or :meth:`close`; then clean up."""
+        with self._lifecycle:
+            if self._closed:
+                raise StoreError(f"store server at {self.address} is closed")
+            self._serving = True
+        try:
+            self._loop()
+        finally:
+            self._cleanup()
+
+    def stop(self) -> None:
+        """Ask the serving loop to end soon; safe from a signal handler. Does not wait."""
+        self._stopping = True
+        # A full buffer means it is already woken; a closed socket, already stopped.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def close(self) -> None:
+        """Stop serving, drop every client and release the port. Idempotent."""
+        self.stop()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
+        with self._lifecycle:
+            serving = self._serving
+        if not serving:
+            self._cleanup()
+
+    def wait_for_clients(self, count: int, timeout: float) -> int:
+        """Block until ``count`` clients have registered (or ``timeout`` seconds pass).
+
+        TCPStore clients register once, on their first connection, so this counts ranks.
+
+        Returns:
+            The number registered so far (``>= count`` unless the wait timed out).
+        """
+        with self._clients_cond:
+            self._clients_cond.wait_for(
+                lambda: self._registered >= count or self._closed,
+                min(timeout, threading.TIMEOUT_MAX),
+            )
+            return self._registered
+
+    def __enter__(self) -> StoreServer:
+        if self._thread is None and not self._serving:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StoreServer({self.address!r}, connections={len(self._conns)})"
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        select = self._sel.select
+        while not self._stopping:
+            for key, mask in select(self._poll_timeout()):
+                data = key.data
+                if isinstance(data, _Conn):
+                    try:
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(data)
+                        if mask & selectors.EVENT_READ and data.sock.fileno() >= 0:
+                            self._on_readable(data)
+                    except Exception as exc:  # a bug or MemoryError: lose one client, not all
+                        _log.exception("store %s: error serving %s", self.address, data.peer)
+                        self._drop(data, f"internal error: {exc!r}")
+                elif data is _LISTENER:
+                    self._accept()
+                else:
+                    self._drain_wake()
+            if self._deadlines or self._accept_resume is not None:
+                self._on_timers(time.monotonic())
+            while self._ready:
+                conn = self._ready.pop()
+                if conn.stalled and conn.sock.fileno() >= 0:
+                    self._process(conn)
+                    self._flush(conn)
+
+    def _poll_timeout(self) -> float | None:
+        when = self._deadlines[0][0] if self._deadlines else None
+        if self._accept_resume is not None and (when is None or self._accept_resume < when):
+            when = self._accept_resume
+        return None if when is None else max(0.0, when - time.monotonic())
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass  # drained (BlockingIOError) or closed
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: the listener would stay readable and spin the loop.
+                    _log.warning("store %s: cannot accept (%s); pausing", self.address, exc)
+                    self._sel.unregister(self._listener)
+                    self._accept_resume = time.monotonic() + _ACCEPT_PAUSE
+                return  # ECONNABORTED and friends: that client is gone already
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):  # the peer already reset; the first recv will say so
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, peer)
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _on_timers(self, now: float) -> None:
+        if self._accept_resume is not None and now >= self._accept_resume:
+            self._accept_resume = None
+            self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            waiter = heapq.heappop(deadlines)[2]
+            if waiter.done:
+                self._stale_deadlines -= 1
+                continue
+            self._unpark(waiter, stale=False)
+            conn = waiter.conn
+            conn.out += wire.timed_out(waiter.rid, self._state.missing(waiter.keys))
+            self._flush(conn)
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            # Into one reused buffer: a fresh 256 KiB bytes per recv costs an mmap/munmap pair.
+            size = conn.sock.recv_into(self._rbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(conn, f"recv failed: {exc}")
+            return
+        if not size:
+            self._drop(conn, None)
+            return
+        conn.proto.receive_data(self._rview[:size])
+        self._process(conn)
+        if conn.sock.fileno() >= 0:
+            self._flush(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        """Handle the complete requests buffered on ``conn`` while its replies fit."""
+        proto = conn.proto
+        conn.stalled = True
+        try:
+            while len(conn.out) < _HIGH_WATER:
+                event = proto.next_event()
+                if event is None:
+                    conn.stalled = False
+                    return
+                if isinstance(event, wire.Request):
+                    self._handle(conn, event.rid, event.op, event.args)
+                else:
+                    self._on_hello(conn, event)
+                    if conn.sock.fileno() < 0:
+                        return
+        except ProtocolError as exc:
+            self._drop(conn, f"protocol violation: {exc}")
+
+    def _on_hello(self, conn: _Conn, hello: wire.Hello) -> None:
+        if hello.version != wire.PROTOCOL_VERSION:
+            _log.info(
+                "store %s: dropping %s: protocol version %d, this server speaks %d",
+                self.address,
+                conn.peer,
+                hello.version,
+                wire.PROTOCOL_VERSION,
+            )
+            with contextlib.suppress(OSError):  # it is being dropped either way
+                conn.sock.send(wire.hello_reply(False))
+            self._drop(conn, None)
+            return
+        conn.out += wire.hello_reply(True)
+        if hello.flags & wire.FLAG_REGISTER:
+            with self._clients_cond:
+                self._registered += 1
+                self._clients_cond.notify_all()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, rid: int, op: int, args: tuple[Any, ...]) -> None:
+        state = self._state
+        data = state.data
+        out = conn.out
+        if op == wire.OP_GET:
+            timeout, key = args
+            value = data.get(key)
+            if value is None:
+                self._park(conn, rid, op, [key], timeout)
+            else:
+                out += wire.ok_value(rid, value)
+        elif op == wire.OP_SET:
+            key, value = args
+            data[key] = value
+            out += wire.ok(rid)
+            if self._waiters:
+                self._notify(key)
+        elif op == wire.OP_ADD:
+            key, amount = args
+            try:
+                total = state.add(key, amount)
+            except StoreError as exc:
+                out += wire.error(rid, str(exc))
+            else:
+                out += wire.ok_int(rid, total)
+                if self._waiters:
+                    self._notify(key)
+        elif op == wire.OP_COMPARE_SET:
+            key, expected, desired = args
+            out += wire.ok_value(rid, state.compare_set(key, expected, desired))
+            if self._waiters:
+                self._notify(key)
+        elif op in (wire.OP_WAIT, wire.OP_MULTI_GET):
+            timeout, keys = args
+            if state.missing(keys):
+                self._park(conn, rid, op, keys, timeout)
+            else:
+                out += self._answer(rid, op, keys)
+        elif op == wire.OP_CHECK:
+            out += wire.ok_bool(rid, not state.missing(args[0]))
+        elif op == wire.OP_DELETE:
+            out += wire.ok_bool(rid, state.delete(args[0]))
+        elif op == wire.OP_NUM_KEYS:
+            out += wire.ok_int(rid, len(data))
+        elif op == wire.OP_MULTI_SET:
+            keys, values = args
+            state.multi_set(keys, values)
+            out += wire.ok(rid)
+            if self._waiters:
+                for key in keys:
+                    self._notify(key)
+        elif op == wire.OP_APPEND:
+            key, value = args
+            state.append(key, value)
+            out += wire.ok(rid)
+            if self._waiters:
+                self._notify(key)
+        else:  # OP_PING; the decoder admits no other opcode
+            out += wire.ok(rid)
+
+    def _answer(self, rid: int, op: int, keys: Sequence[bytes]) -> bytes:
+        """The OK reply to a GET / WAIT / MULTI_GET whose keys all exist."""
+        data = self._state.data
+        if op == wire.OP_GET:
+            return wire.ok_value(rid, data[keys[0]])
+        if op == wire.OP_WAIT:
+            return wire.ok(rid)
+        values = [data[key] for key in keys]
+        size = sum(len(v) + 4 for v in values) + 4
+        if size > wire.MAX_BODY_BYTES:
+            return wire.error(
+                rid,
+                f"multi_get of {len(keys)} keys totals {size} bytes, over the {wire.MAX_BODY_BYTES}"
+                f"-byte frame limit; get the keys one at a time",
+            )
+        return wire.ok_values(rid, values)
+
+    def _park(self, conn: _Conn, rid: int, op: int, keys: list[bytes], timeout: float) -> None:
+        if len(conn.parked) >= _MAX_PARKED:
+            conn.out += wire.error(
+                rid, f"too many blocking requests parked on one connection ({_MAX_PARKED})"
+            )
+            return
+        missing = self._state.missing(keys)
+        waiter = _Waiter(conn, rid, op, keys, missing[0], time.monotonic() + timeout)
+        self._waiters.setdefault(waiter.key, []).append(waiter)
+        conn.parked.add(waiter)
+        heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+
+    def _notify(self, key: bytes) -> None:
+        """``key`` now exists: answer or re-file the requests parked under it."""
+        waiters = self._waiters.pop(key, None)
+        if not waiters:
+            return
+        state = self._state
+        for waiter in waiters:
+            if waiter.done:
+                continue
+            missing = state.missing(waiter.keys)
+            if missing:
+                waiter.key = missing[0]
+                self._waiters.setdefault(waiter.key, []).append(waiter)
+                continue
+            waiter.done = True
+            self._stale_deadlines += 1
+            conn = waiter.conn
+            conn.parked.discard(waiter)
+            conn.out += self._answer(waiter.rid, waiter.op, waiter.keys)
+            self._flush(conn)
+        self._compact_deadlines()
+
+    def _unpark(self, waiter: _Waiter, stale: bool) -> None:
+        """Withdraw a waiter (timed out, or its connection dropped)."""
+        waiter.done = True
+        if stale:
+            self._stale_deadlines += 1
+        waiter.conn.parked.discard(waiter)
+        filed = self._waiters.get(waiter.key)
+        if filed is not None:
+            with contextlib.suppress(ValueError):  # filed under a list being notified right now
+                filed.remove(waiter)
+            if not filed:
+                del self._waiters[waiter.key]
+
+    def _compact_deadlines(self) -> None:
+        # Answered waiters stay in the heap until their deadline; rebuild when they dominate.
+        if self._stale_deadlines > 1024 and self._stale_deadlines * 2 > len(self._deadlines):
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
+            heapq.heapify(self._deadlines)
+            self._stale_deadlines = 0
+
+    # --- output and teardown -----------------------------------------------------------------
+
+    def _flush(self, conn: _Conn) -> None:
+        out = conn.out
+        if out:
+            try:
+                sent = conn.sock.send(out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._drop(conn, f"send failed: {exc}")
+                return
+            if sent:
+                del out[:sent]
+        below = len(out) < _HIGH_WATER
+        if conn.stalled and below:
+            self._ready.add(conn)  # its buffered requests are handled at the end of the round
+        events = selectors.EVENT_READ if below and not conn.stalled else 0
+        if out:
+            events |= selectors.EVENT_WRITE
+        if events and events != conn.events and conn.sock.fileno() >= 0:
+            conn.events = events
+            self._sel.modify(conn.sock, events, conn)
+
+    def _drop(self, conn: _Conn, reason: str | None) -> None:
+        if conn not in self._conns:
+            return
+        if reason is not None:
+            _log.info("store %s: dropping client %s: %s", self.address, conn.peer, reason)
+        self._conns.discard(conn)
+        self._ready.discard(conn)
+        for waiter in list(conn.parked):
+            self._unpark(waiter, stale=True)
+        with contextlib.suppress(KeyError, ValueError):  # never registered, or already closed
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+        conn.out.clear()
+        self._compact_deadlines()
+
+    def _cleanup(self) -> None:
+        with self._lifecycle:
+            if self._closed:
+                return
+            self._closed = True
+            self._serving = False
+        for conn in list(self._conns):
+            self._drop(conn, None)
+        self._sel.close()
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        with self._clients_cond:
+            self._clients_cond.notify_all()
+
+
+def _bind(host: str, port: int, backlog: int) -> socket.socket:
+    address = format_address(host, port)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise StoreError(f"cannot start the store server on {address}: {exc}") from exc
+    family, kind, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # Lets a restarted server rebind over TIME_WAIT leftovers; never a live listener's port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StoreError(
+                f"cannot start the store server on {address}: the port is already in use"
+            ) from exc
+        raise StoreError(f"cannot start the store server on {address}: {exc}") from exc
+    return sock

@@ -1,0 +1,437 @@
+"""TCPStore: the client of the store server (and, on the master, the server's host too).
+
+The client holds one connection and a lock around each request/response, so threads may
+share it (a blocking ``get`` holds the lock until it returns, as in torch). Every request
+carries an id; after a client-side timeout, a late answer to the abandoned request is read
+and discarded by the next call, so the connection stays usable. Blocking requests carry
+their timeout, so the server answers TIMEOUT itself a moment before the client would give
+up; the client's own deadline (``_SLACK`` later) covers a server that stopped answering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.errors import InvalidArgument, ProtocolError, StoreError, StoreTimeout
+from meshcomm.store import wire
+from meshcomm.store.base import (
+    Store,
+    Value,
+    check_amount,
+    encode_key,
+    encode_keys,
+    encode_value,
+    show_keys,
+)
+from meshcomm.store.server import StoreServer, check_host_port, format_address
+
+__all__ = ["TCPStore"]
+
+_T = TypeVar("_T")
+
+# How much longer than a blocking request's own timeout the client waits for the server's
+# TIMEOUT answer before it gives up on its own (still within timeout + 0.5 s).
+_SLACK = 0.3
+_RECV_BYTES = 64 * 1024
+# Sockets refuse timeouts beyond a few centuries; a year is "forever" here.
+_MAX_SOCKET_TIMEOUT = 365 * 24 * 3600.0
+_BACKOFF_FIRST = 0.01
+_BACKOFF_MAX = 0.5
+
+
+class TCPStore(Store):
+    """A store served over TCP; the master process runs the server in a daemon thread.
+
+    Args:
+        host: the server's address; the master binds exactly this address.
+        port: the server's port; the master may pass 0 for a free port (see :attr:`port`).
+        world_size: the number of clients (ranks) of the job, the master's own included.
+        is_master: run the server in this process.
+        timeout: seconds (or ``timedelta``) for connecting, for ``get``/``wait``, and for the
+            master's wait for workers; default :func:`~meshcomm._timeout.default_timeout`.
+        wait_for_workers: on the master with ``world_size`` set, block in the constructor
+            until ``world_size`` clients have connected.
+
+    Raises:
+        InvalidArgument: bad host, port, or world_size; port 0 on a non-master.
+        StoreError: the master cannot bind (port in use); the server speaks another protocol.
+        StoreTimeout: no server answered within the timeout, or too few workers connected.
+
+    Example:
+        >>> master = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=5)
+        >>> worker = TCPStore("127.0.0.1", master.port, timeout=5)
+        >>> worker.add("ready", 1), master.get("ready")
+        (1, b'1')
+        >>> worker.close(); master.close()
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: Timeout | None = None,
+        wait_for_workers: bool = True,
+    ) -> None:
+        super().__init__(timeout)
+        check_host_port(host, port)
+        if world_size is not None and (
+            not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
+        ):
+            raise InvalidArgument(f"TCPStore world_size must be a positive int, got {world_size!r}")
+        if not is_master and port == 0:
+            raise InvalidArgument(
+                f"a TCPStore client needs the server's port; got port 0 for host {host!r} "
+                "(only the master may pass 0 to pick a free port)"
+            )
+        self._host = host
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._conn = wire.ClientConnection()
+        # recv_into one reused buffer: a fresh large bytes per recv costs an mmap/munmap.
+        self._rbuf = bytearray(_RECV_BYTES)
+        self._rview = memoryview(self._rbuf)
+        self._sock_timeout: float | None = None
+        self._rid = 0
+        self._closed = False
+        self._server: StoreServer | None = None
+        started = time.monotonic()
+        if is_master:
+            self._server = StoreServer(host, port)
+            self._server.start()
+            port = self._server.port
+        self._port = port
+        self._address = format_address(host, port)
+        try:
+            with self._lock:
+                self._connect(register=True)
+            if self._server is not None and world_size is not None and wait_for_workers:
+                left = self._timeout - (time.monotonic() - started)
+                count = self._server.wait_for_clients(world_size, max(left, 0.0))
+                if count < world_size:
+                    raise StoreTimeout(
+                        f"TCPStore master at {self._address}: {count} of {world_size} clients "
+                        f"connected within {self._timeout:g} s (the master's own client counts)"
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def host(self) -> str:
+        """The server's host, as given."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The server's port (the kernel's pick when the master was given 0)."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the server."""
+        return self._address
+
+    @property
+    def server(self) -> StoreServer | None:
+        """The server this (master) store runs, or None on a client."""
+        return self._server
+
+    # --- the Store interface ---------------------------------------------------------------
+
+    def set(self, key: str, value: Value) -> None:
+        body = wire.body_key_value(encode_key(key), encode_value(value))
+        self._expect_ok(self._call(wire.OP_SET, body, None, (key,)), wire.OP_SET)
+
+    def get(self, key: str) -> bytes:
+        seconds = self._timeout
+        resp = self._call(wire.OP_GET, wire.body_get(seconds, encode_key(key)), seconds, (key,))
+        if resp.status == wire.STATUS_OK:
+            return resp.body
+        raise self._failure(resp, wire.OP_GET, seconds)
+
+    def add(self, key: str, amount: int) -> int:
+        body = wire.body_add(check_amount(amount), encode_key(key))
+        resp = self._call(wire.OP_ADD, body, None, (key,))
+        return self._parse(wire.parse_int, self._expect_ok(resp, wire.OP_ADD))
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        body = wire.body_compare_set(encode_key(key), encode_value(expected), encode_value(desired))
+        resp = self._call(wire.OP_COMPARE_SET, body, None, (key,))
+        return self._expect_ok(resp, wire.OP_COMPARE_SET)
+
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
+        ks = encode_keys(keys)
+        if not ks:
+            return
+        seconds = to_seconds(timeout, self._timeout)
+        resp = self._call(wire.OP_WAIT, wire.body_wait(seconds, ks), seconds, keys)
+        if resp.status != wire.STATUS_OK:
+            raise self._failure(resp, wire.OP_WAIT, seconds)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        ks = encode_keys(keys)
+        if not ks:
+            return True
+        resp = self._call(wire.OP_CHECK, wire.body_keys(ks), None, keys)
+        return self._parse(wire.parse_bool, self._expect_ok(resp, wire.OP_CHECK))
+
+    def delete_key(self, key: str) -> bool:
+        resp = self._call(wire.OP_DELETE, encode_key(key), None, (key,))
+        return self._parse(wire.parse_bool, self._expect_ok(resp, wire.OP_DELETE))
+
+    def num_keys(self) -> int:
+        resp = self._call(wire.OP_NUM_KEYS, b"", None, ())
+        return self._parse(wire.parse_int, self._expect_ok(resp, wire.OP_NUM_KEYS))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        ks = encode_keys(keys)
+        if not ks:
+            return []
+        seconds = self._timeout
+        resp = self._call(wire.OP_MULTI_GET, wire.body_wait(seconds, ks), seconds, keys)
+        if resp.status != wire.STATUS_OK:
+            raise self._failure(resp, wire.OP_MULTI_GET, seconds)
+        values = self._parse(wire.parse_values, resp.body)
+        if len(values) != len(ks):
+            raise StoreError(
+                f"store at {self._address} answered multi_get of {len(ks)} keys with "
+                f"{len(values)} values"
+            )
+        return values
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        ks = encode_keys(keys)
+        vs = [encode_value(v) for v in values]
+        if len(ks) != len(vs):
+            raise InvalidArgument(f"multi_set got {len(ks)} keys but {len(vs)} values")
+        if not ks:
+            return
+        resp = self._call(wire.OP_MULTI_SET, wire.body_multi_set(ks, vs), None, keys)
+        self._expect_ok(resp, wire.OP_MULTI_SET)
+
+    def append(self, key: str, value: Value) -> None:
+        body = wire.body_key_value(encode_key(key), encode_value(value))
+        self._expect_ok(self._call(wire.OP_APPEND, body, None, (key,)), wire.OP_APPEND)
+
+    def ping(self) -> None:
+        """Round-trip an empty request (a liveness check).
+
+        Raises:
+            StoreError: the server is unreachable or closed the connection.
+        """
+        self._expect_ok(self._call(wire.OP_PING, b"", None, ()), wire.OP_PING)
+
+    def close(self) -> None:
+        """Close the connection; on the master, also stop the server. Idempotent."""
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            # Wakes a thread blocked in recv so that the lock below comes free at once.
+            with contextlib.suppress(OSError):  # not connected any more
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._disconnect()
+        if self._server is not None:
+            self._server.close()
+
+    def __repr__(self) -> str:
+        role = "master" if self._server is not None else "client"
+        return f"TCPStore({self._address!r}, {role}, timeout={self._timeout:g})"
+
+    # --- connection ------------------------------------------------------------------------
+
+    def _connect(self, register: bool) -> socket.socket:
+        """Connect and handshake, retrying with backoff until the timeout (lock held)."""
+        deadline = time.monotonic() + self._timeout
+        delay = _BACKOFF_FIRST
+        last: str = "no attempt finished"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                if self._closed:
+                    raise StoreError(f"TCPStore to {self._address} is closed")
+                raise StoreTimeout(
+                    f"could not connect to the store at {self._address} within "
+                    f"{self._timeout:g} s (last error: {last})"
+                )
+            try:
+                sock = socket.create_connection(
+                    (self._host, self._port), timeout=min(left, _MAX_SOCKET_TIMEOUT)
+                )
+            except socket.gaierror as exc:
+                raise StoreError(
+                    f"cannot resolve the store host of {self._address}: {exc}"
+                ) from exc
+            except OSError as exc:
+                last = str(exc)
+                time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+                delay = min(delay * 2, _BACKOFF_MAX)
+                continue
+            try:
+                self._handshake(sock, register, deadline)
+            except _Retry as exc:
+                sock.close()
+                last = str(exc)
+                time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+                delay = min(delay * 2, _BACKOFF_MAX)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self._sock = sock
+            self._sock_timeout = None
+            return sock
+
+    def _handshake(self, sock: socket.socket, register: bool, deadline: float) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = wire.ClientConnection()
+        try:
+            sock.settimeout(min(max(deadline - time.monotonic(), 0.001), _MAX_SOCKET_TIMEOUT))
+            sock.sendall(conn.hello(wire.FLAG_REGISTER if register else 0))
+            while True:
+                event = conn.next_event()
+                if event is not None:
+                    break
+                data = sock.recv(64)
+                if not data:
+                    raise _Retry("the server closed the connection during the handshake")
+                conn.receive_data(data)
+        except ProtocolError as exc:
+            raise StoreError(
+                f"the server at {self._address} is not a meshcomm store server: {exc}"
+            ) from exc
+        except TimeoutError as exc:
+            raise StoreTimeout(
+                f"the server at {self._address} did not answer the store handshake within "
+                f"{self._timeout:g} s"
+            ) from exc
+        except OSError as exc:
+            raise _Retry(f"handshake failed: {exc}") from exc
+        if not isinstance(event, wire.HelloReply):
+            raise StoreError(f"the server at {self._address} sent no handshake answer")
+        if event.version != wire.PROTOCOL_VERSION or event.status != wire.HELLO_OK:
+            raise StoreError(
+                f"the store server at {self._address} speaks protocol version {event.version}; "
+                f"this client speaks version {wire.PROTOCOL_VERSION}"
+            )
+        self._conn = conn
+
+    def _disconnect(self) -> None:
+        """Close the socket (lock held); the next request reconnects."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _call(self, op: int, body: bytes, wait: float | None, keys: Sequence[str]) -> wire.Response:
+        """Send one request and return its response (lock held inside).
+
+        Args:
+            op: the opcode.
+            body: the request body.
+            wait: seconds the server may park the request, or None for a plain request.
+            keys: the keys concerned, for error messages.
+        """
+        if len(body) > wire.MAX_BODY_BYTES:
+            raise InvalidArgument(
+                f"{wire.OP_NAMES[op]} request of {len(body)} bytes exceeds the store's "
+                f"{wire.MAX_BODY_BYTES}-byte frame limit (keys {show_keys(keys)})"
+            )
+        # One budget for plain and blocking requests alike keeps settimeout calls rare.
+        budget = min((self._timeout if wait is None else wait) + _SLACK, _MAX_SOCKET_TIMEOUT)
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"TCPStore to {self._address} is closed")
+            sock = self._sock
+            if sock is None:
+                sock = self._connect(register=False)
+            self._rid = rid = (self._rid + 1) & 0xFFFFFFFF
+            frame = wire.request(op, rid, body)
+            deadline = time.monotonic() + budget
+            try:
+                if self._sock_timeout != budget:
+                    sock.settimeout(budget)
+                    self._sock_timeout = budget
+                sock.sendall(frame)
+            except OSError as exc:
+                # A partly sent frame would desynchronise the stream: start afresh next time.
+                self._disconnect()
+                raise StoreError(
+                    f"sending {wire.OP_NAMES[op]} to the store at {self._address} failed: {exc}"
+                ) from exc
+            conn = self._conn
+            first = True
+            while True:
+                try:
+                    event = conn.next_event()
+                except ProtocolError as exc:
+                    self._disconnect()
+                    raise StoreError(
+                        f"the store at {self._address} broke the protocol: {exc}"
+                    ) from exc
+                if event is None:
+                    left = deadline - time.monotonic()
+                    try:
+                        if left <= 0:
+                            raise TimeoutError
+                        if not first:  # the first recv runs under the budget set above
+                            sock.settimeout(left)
+                            self._sock_timeout = left
+                        first = False
+                        size = sock.recv_into(self._rbuf)
+                    except TimeoutError as exc:
+                        # The connection stays: the late answer will be skipped by its id.
+                        raise StoreTimeout(
+                            f"the store at {self._address} did not answer {wire.OP_NAMES[op]} "
+                            f"(keys {show_keys(keys)}) within {budget:g} s"
+                        ) from exc
+                    except OSError as exc:
+                        self._disconnect()
+                        raise StoreError(
+                            f"lost the connection to the store at {self._address} during "
+                            f"{wire.OP_NAMES[op]}: {exc}"
+                        ) from exc
+                    if not size:
+                        self._disconnect()
+                        if self._closed:
+                            raise StoreError(f"TCPStore to {self._address} is closed")
+                        raise StoreError(
+                            f"the store at {self._address} closed the connection during "
+                            f"{wire.OP_NAMES[op]} (keys {show_keys(keys)})"
+                        )
+                    conn.receive_data(self._rview[:size])
+                elif isinstance(event, wire.Response) and event.rid == rid:
+                    return event
+                # else: the answer to a request this client gave up on; skip it.
+
+    def _expect_ok(self, resp: wire.Response, op: int) -> bytes:
+        if resp.status == wire.STATUS_OK:
+            return resp.body
+        raise self._failure(resp, op, self._timeout)
+
+    def _failure(self, resp: wire.Response, op: int, seconds: float) -> StoreError:
+        if resp.status == wire.STATUS_TIMEOUT:
+            missing = self._parse(wire.parse_keys, resp.body)
+            return StoreTimeout(
+                f"TCPStore {self._address}: {wire.OP_NAMES[op]} timed out after {seconds:g} s; "
+                f"keys still missing: {show_keys(missing)}"
+            )
+        message = resp.body.decode(errors="replace")
+        return StoreError(f"store at {self._address}: {wire.OP_NAMES[op]} failed: {message}")
+
+    def _parse(self, parse: Callable[[bytes], _T], body: bytes) -> _T:
+        try:
+            return parse(body)
+        except ProtocolError as exc:
+            raise StoreError(f"the store at {self._address} sent a bad answer: {exc}") from exc
+
+
+class _Retry(Exception):
+    """A connection attempt failed in a way worth retrying (reset, closed early)."""

@@ -1,0 +1,593 @@
+"""The TCPStore wire protocol, sans-IO: bytes in, events out. No socket is touched here.
+
+Handshake (8 bytes each way)::
+
+    client -> server   magic b"MCKV" | u16 protocol version | u16 flags (bit 0: register)
+    server -> client   magic b"MCKV" | u16 protocol version | u16 status (0 ok, 1 bad version)
+
+A server that sees a wrong magic closes the connection without a word; one that sees another
+version answers with its own version and status 1, then closes. After the handshake every
+message is a frame, big-endian::
+
+    u32 body length | u32 request id | u8 opcode (request) or status (response) | body
+
+The body length is checked against the opcode's bound (:data:`MAX_BODY_BYTES` at most) as soon
+as the 9-byte header is in, before any of the body is buffered, so a huge length prefix costs
+nothing. Keys (1 to ``MAX_KEY_BYTES``) and values (up to ``MAX_VALUE_BYTES``) are checked as
+bodies are parsed. Any violation raises :class:`~meshcomm.errors.ProtocolError`.
+
+Request bodies (``key`` alone = the rest of the body; ``str`` = u32 length + bytes)::
+
+    SET, APPEND     str key | value
+    GET             f64 timeout | key
+    ADD             i64 amount | key
+    COMPARE_SET     str key | str expected | desired
+    WAIT, MULTI_GET f64 timeout | u32 n | n * str key
+    CHECK           u32 n | n * str key
+    DELETE          key
+    MULTI_SET       u32 n | n * (str key | str value)
+    NUM_KEYS, PING  (empty)
+
+Response bodies: OK carries the value (GET, COMPARE_SET), an i64 (ADD, NUM_KEYS), a u8 (CHECK,
+DELETE), ``u32 n | n * str value`` (MULTI_GET) or nothing; ERROR carries a UTF-8 message;
+TIMEOUT carries the still-missing keys as ``u32 n | n * str key``.
+
+Example:
+    >>> client, server = ClientConnection(), ServerConnection()
+    >>> server.receive_data(client.hello(FLAG_REGISTER))
+    >>> server.next_event()
+    Hello(version=1, flags=1)
+    >>> server.receive_data(request(OP_GET, 7, body_get(2.0, b"k")))
+    >>> server.next_event()
+    Request(rid=7, op=2, args=(2.0, b'k'))
+    >>> client.receive_data(hello_reply(True) + ok_value(7, b"v"))
+    >>> client.next_event(), client.next_event()
+    (HelloReply(version=1, status=0), Response(rid=7, status=0, body=b'v'))
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from meshcomm.errors import ProtocolError
+from meshcomm.store.base import MAX_KEY_BYTES, MAX_VALUE_BYTES
+
+__all__ = [
+    "FLAG_REGISTER",
+    "HEADER_SIZE",
+    "HELLO_BAD_VERSION",
+    "HELLO_OK",
+    "HELLO_SIZE",
+    "MAGIC",
+    "MAX_BODY_BYTES",
+    "MAX_ERROR_BYTES",
+    "OP_ADD",
+    "OP_APPEND",
+    "OP_CHECK",
+    "OP_COMPARE_SET",
+    "OP_DELETE",
+    "OP_GET",
+    "OP_MULTI_GET",
+    "OP_MULTI_SET",
+    "OP_NAMES",
+    "OP_NUM_KEYS",
+    "OP_PING",
+    "OP_SET",
+    "OP_WAIT",
+    "PROTOCOL_VERSION",
+    "STATUS_ERROR",
+    "STATUS_OK",
+    "STATUS_TIMEOUT",
+    "ClientConnection",
+    "Hello",
+    "HelloReply",
+    "Request",
+    "Response",
+    "ServerConnection",
+    "body_add",
+    "body_compare_set",
+    "body_get",
+    "body_key_value",
+    "body_keys",
+    "body_multi_set",
+    "body_wait",
+    "error",
+    "hello_reply",
+    "ok",
+    "ok_bool",
+    "ok_int",
+    "ok_value",
+    "ok_values",
+    "parse_bool",
+    "parse_int",
+    "parse_keys",
+    "parse_values",
+    "request",
+    "timed_out",
+]
+
+MAGIC = b"MCKV"
+PROTOCOL_VERSION = 1
+#: Client hello flag: count this client towards the master's ``world_size``.
+FLAG_REGISTER = 0x1
+HELLO_OK = 0
+HELLO_BAD_VERSION = 1
+#: Largest frame body either side accepts: one maximal value plus room for keys and counts.
+MAX_BODY_BYTES = MAX_VALUE_BYTES + 64 * 1024
+#: Longest error message a server sends, in bytes.
+MAX_ERROR_BYTES = 4096
+
+OP_SET = 1
+OP_GET = 2
+OP_ADD = 3
+OP_COMPARE_SET = 4
+OP_WAIT = 5
+OP_CHECK = 6
+OP_DELETE = 7
+OP_NUM_KEYS = 8
+OP_MULTI_GET = 9
+OP_MULTI_SET = 10
+OP_APPEND = 11
+OP_PING = 12
+OP_NAMES = {
+    OP_SET: "SET",
+    OP_GET: "GET",
+    OP_ADD: "ADD",
+    OP_COMPARE_SET: "COMPARE_SET",
+    OP_WAIT: "WAIT",
+    OP_CHECK: "CHECK",
+    OP_DELETE: "DELETE",
+    OP_NUM_KEYS: "NUM_KEYS",
+    OP_MULTI_GET: "MULTI_GET",
+    OP_MULTI_SET: "MULTI_SET",
+    OP_APPEND: "APPEND",
+    OP_PING: "PING",
+}
+
+STATUS_OK = 0
+STATUS_ERROR = 1
+STATUS_TIMEOUT = 2
+_STATUSES = frozenset((STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT))
+
+_HELLO = struct.Struct("!4sHH")
+HELLO_SIZE = _HELLO.size
+_HEADER = struct.Struct("!IIB")
+HEADER_SIZE = _HEADER.size
+_HEADER_INT = struct.Struct("!IIBq")
+_HEADER_BOOL = struct.Struct("!IIBB")
+_U32 = struct.Struct("!I")
+_I64 = struct.Struct("!q")
+_F64 = struct.Struct("!d")
+
+# Largest body each opcode may carry; checked before the body is buffered.
+_REQUEST_LIMITS = {
+    OP_SET: 4 + MAX_KEY_BYTES + MAX_VALUE_BYTES,
+    OP_APPEND: 4 + MAX_KEY_BYTES + MAX_VALUE_BYTES,
+    OP_GET: 8 + MAX_KEY_BYTES,
+    OP_ADD: 8 + MAX_KEY_BYTES,
+    OP_DELETE: MAX_KEY_BYTES,
+    OP_COMPARE_SET: MAX_BODY_BYTES,
+    OP_WAIT: MAX_BODY_BYTES,
+    OP_MULTI_GET: MAX_BODY_BYTES,
+    OP_CHECK: MAX_BODY_BYTES,
+    OP_MULTI_SET: MAX_BODY_BYTES,
+    OP_NUM_KEYS: 0,
+    OP_PING: 0,
+}
+
+
+class Hello(NamedTuple):
+    """The client's handshake, as the server sees it."""
+
+    version: int
+    flags: int
+
+
+class HelloReply(NamedTuple):
+    """The server's handshake answer, as the client sees it."""
+
+    version: int
+    status: int
+
+
+class Request(NamedTuple):
+    """One decoded request: its id, opcode and parsed arguments (see the module docstring)."""
+
+    rid: int
+    op: int
+    args: tuple[Any, ...]
+
+
+class Response(NamedTuple):
+    """One response frame; parse ``body`` with the ``parse_*`` helper its opcode needs."""
+
+    rid: int
+    status: int
+    body: bytes
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+
+def request(op: int, rid: int, body: bytes) -> bytes:
+    """Frame a request body (built by a ``body_*`` helper) with opcode ``op`` and id ``rid``."""
+    return _HEADER.pack(len(body), rid, op) + body
+
+
+def body_key_value(key: bytes, value: bytes) -> bytes:
+    """Body of SET and APPEND."""
+    return _U32.pack(len(key)) + key + value
+
+
+def body_get(timeout: float, key: bytes) -> bytes:
+    """Body of GET: the seconds the server may park it, then the key."""
+    return _F64.pack(timeout) + key
+
+
+def body_add(amount: int, key: bytes) -> bytes:
+    """Body of ADD."""
+    return _I64.pack(amount) + key
+
+
+def body_compare_set(key: bytes, expected: bytes, desired: bytes) -> bytes:
+    """Body of COMPARE_SET."""
+    return b"".join((_U32.pack(len(key)), key, _U32.pack(len(expected)), expected, desired))
+
+
+def _strings(items: Sequence[bytes]) -> list[bytes]:
+    parts = [_U32.pack(len(items))]
+    pack = _U32.pack
+    for item in items:
+        parts.append(pack(len(item)))
+        parts.append(item)
+    return parts
+
+
+def body_keys(keys: Sequence[bytes]) -> bytes:
+    """Body of CHECK: a counted list of keys."""
+    return b"".join(_strings(keys))
+
+
+def body_wait(timeout: float, keys: Sequence[bytes]) -> bytes:
+    """Body of WAIT and MULTI_GET: the seconds the server may park it, then the keys."""
+    return _F64.pack(timeout) + b"".join(_strings(keys))
+
+
+def body_multi_set(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
+    """Body of MULTI_SET (``keys`` and ``values`` have the same length)."""
+    parts = [_U32.pack(len(keys))]
+    pack = _U32.pack
+    for key, value in zip(keys, values, strict=True):
+        parts += (pack(len(key)), key, pack(len(value)), value)
+    return b"".join(parts)
+
+
+def hello_reply(ok: bool) -> bytes:
+    """The server's 8-byte handshake answer."""
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_OK if ok else HELLO_BAD_VERSION)
+
+
+def ok(rid: int) -> bytes:
+    """An empty OK response."""
+    return _HEADER.pack(0, rid, STATUS_OK)
+
+
+def ok_value(rid: int, value: bytes) -> bytes:
+    """An OK response carrying one value."""
+    return _HEADER.pack(len(value), rid, STATUS_OK) + value
+
+
+def ok_int(rid: int, number: int) -> bytes:
+    """An OK response carrying a signed 64-bit integer."""
+    return _HEADER_INT.pack(8, rid, STATUS_OK, number)
+
+
+def ok_bool(rid: int, flag: bool) -> bytes:
+    """An OK response carrying one boolean byte."""
+    return _HEADER_BOOL.pack(1, rid, STATUS_OK, 1 if flag else 0)
+
+
+def ok_values(rid: int, values: Sequence[bytes]) -> bytes:
+    """An OK response carrying a counted list of values."""
+    body = b"".join(_strings(values))
+    return _HEADER.pack(len(body), rid, STATUS_OK) + body
+
+
+def error(rid: int, message: str) -> bytes:
+    """An ERROR response carrying a (truncated) UTF-8 message."""
+    body = message.encode(errors="replace")[:MAX_ERROR_BYTES]
+    return _HEADER.pack(len(body), rid, STATUS_ERROR) + body
+
+
+def timed_out(rid: int, missing: Sequence[bytes]) -> bytes:
+    """A TIMEOUT response naming the keys still missing."""
+    body = b"".join(_strings(missing))
+    return _HEADER.pack(len(body), rid, STATUS_TIMEOUT) + body
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def _take(body: bytes, pos: int, limit: int, low: int, what: str) -> tuple[bytes, int]:
+    """Read one ``u32 length | bytes`` field at ``pos``; return it and the next position."""
+    if pos + 4 > len(body):
+        raise ProtocolError(f"truncated {what} length at byte {pos} of a {len(body)}-byte body")
+    (size,) = _U32.unpack_from(body, pos)
+    if not low <= size <= limit:
+        raise ProtocolError(f"{what} of {size} bytes; the protocol allows {low} to {limit}")
+    pos += 4
+    end = pos + size
+    if end > len(body):
+        raise ProtocolError(f"{what} of {size} bytes overruns a {len(body)}-byte body")
+    return body[pos:end], end
+
+
+def _take_list(body: bytes, pos: int, limit: int, low: int, what: str) -> list[bytes]:
+    """Read ``u32 n | n * str`` filling the rest of ``body``."""
+    if pos + 4 > len(body):
+        raise ProtocolError(f"truncated {what} count in a {len(body)}-byte body")
+    (count,) = _U32.unpack_from(body, pos)
+    pos += 4
+    if count > (len(body) - pos) // 4:
+        raise ProtocolError(f"{count} {what}s cannot fit in a {len(body)}-byte body")
+    items = []
+    for _ in range(count):
+        item, pos = _take(body, pos, limit, low, what)
+        items.append(item)
+    if pos != len(body):
+        raise ProtocolError(f"{len(body) - pos} stray bytes after {count} {what}s")
+    return items
+
+
+def _check_key(key: bytes) -> bytes:
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ProtocolError(f"key of {len(key)} bytes; the protocol allows 1 to {MAX_KEY_BYTES}")
+    return key
+
+
+def _check_value(value: bytes) -> bytes:
+    if len(value) > MAX_VALUE_BYTES:
+        raise ProtocolError(f"value of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
+    return value
+
+
+def _timeout(body: bytes) -> float:
+    if len(body) < 8:
+        raise ProtocolError(f"truncated timeout in a {len(body)}-byte body")
+    (seconds,) = _F64.unpack_from(body, 0)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ProtocolError(f"timeout must be finite and >= 0, got {seconds!r}")
+    return float(seconds)
+
+
+def _parse_key_value(body: bytes) -> tuple[Any, ...]:
+    key, pos = _take(body, 0, MAX_KEY_BYTES, 1, "key")
+    return key, _check_value(body[pos:])
+
+
+def _parse_get(body: bytes) -> tuple[Any, ...]:
+    return _timeout(body), _check_key(body[8:])
+
+
+def _parse_add(body: bytes) -> tuple[Any, ...]:
+    if len(body) < 8:
+        raise ProtocolError(f"truncated ADD amount in a {len(body)}-byte body")
+    (amount,) = _I64.unpack_from(body, 0)
+    return _check_key(body[8:]), amount
+
+
+def _parse_compare_set(body: bytes) -> tuple[Any, ...]:
+    key, pos = _take(body, 0, MAX_KEY_BYTES, 1, "key")
+    expected, pos = _take(body, pos, MAX_VALUE_BYTES, 0, "value")
+    return key, expected, _check_value(body[pos:])
+
+
+def _parse_wait(body: bytes) -> tuple[Any, ...]:
+    return _timeout(body), _take_list(body, 8, MAX_KEY_BYTES, 1, "key")
+
+
+def _parse_check(body: bytes) -> tuple[Any, ...]:
+    return (_take_list(body, 0, MAX_KEY_BYTES, 1, "key"),)
+
+
+def _parse_delete(body: bytes) -> tuple[Any, ...]:
+    return (_check_key(body),)
+
+
+def _parse_empty(body: bytes) -> tuple[Any, ...]:
+    if body:
+        raise ProtocolError(f"expected an empty body, got {len(body)} bytes")
+    return ()
+
+
+def _parse_multi_set(body: bytes) -> tuple[Any, ...]:
+    if len(body) < 4:
+        raise ProtocolError(f"truncated MULTI_SET count in a {len(body)}-byte body")
+    (count,) = _U32.unpack_from(body, 0)
+    pos = 4
+    if count > (len(body) - pos) // 8:
+        raise ProtocolError(f"{count} pairs cannot fit in a {len(body)}-byte body")
+    keys, values = [], []
+    for _ in range(count):
+        key, pos = _take(body, pos, MAX_KEY_BYTES, 1, "key")
+        value, pos = _take(body, pos, MAX_VALUE_BYTES, 0, "value")
+        keys.append(key)
+        values.append(value)
+    if pos != len(body):
+        raise ProtocolError(f"{len(body) - pos} stray bytes after {count} MULTI_SET pairs")
+    return keys, values
+
+
+_PARSERS: dict[int, Callable[[bytes], tuple[Any, ...]]] = {
+    OP_SET: _parse_key_value,
+    OP_APPEND: _parse_key_value,
+    OP_GET: _parse_get,
+    OP_ADD: _parse_add,
+    OP_COMPARE_SET: _parse_compare_set,
+    OP_WAIT: _parse_wait,
+    OP_MULTI_GET: _parse_wait,
+    OP_CHECK: _parse_check,
+    OP_DELETE: _parse_delete,
+    OP_NUM_KEYS: _parse_empty,
+    OP_PING: _parse_empty,
+    OP_MULTI_SET: _parse_multi_set,
+}
+
+
+def parse_int(body: bytes) -> int:
+    """Parse the i64 body of an OK answer to ADD or NUM_KEYS."""
+    if len(body) != 8:
+        raise ProtocolError(f"expected an 8-byte integer body, got {len(body)} bytes")
+    return int(_I64.unpack(body)[0])
+
+
+def parse_bool(body: bytes) -> bool:
+    """Parse the one-byte body of an OK answer to CHECK or DELETE."""
+    if len(body) != 1 or body[0] > 1:
+        raise ProtocolError(f"expected a one-byte boolean body, got {body[:16]!r}")
+    return body[0] == 1
+
+
+def parse_values(body: bytes) -> list[bytes]:
+    """Parse the counted value list of an OK answer to MULTI_GET."""
+    return _take_list(body, 0, MAX_VALUE_BYTES, 0, "value")
+
+
+def parse_keys(body: bytes) -> list[bytes]:
+    """Parse the counted key list of a TIMEOUT answer."""
+    return _take_list(body, 0, MAX_KEY_BYTES, 1, "key")
+
+
+# --- connections -----------------------------------------------------------------------------
+
+
+def _check_magic(buf: bytearray, side: str) -> None:
+    head = bytes(buf[:4])
+    if not MAGIC.startswith(head):
+        raise ProtocolError(f"{side} sent {head!r}, not the meshcomm store magic {MAGIC!r}")
+
+
+class ServerConnection:
+    """The server's view of one connection: a :class:`Hello`, then :class:`Request` events.
+
+    Feed received bytes with :meth:`receive_data`, then call :meth:`next_event` until it
+    returns None. Memory stays bounded: a frame's length is judged before its body is kept.
+
+    Example:
+        >>> conn = ServerConnection()
+        >>> conn.receive_data(b"GET / HTTP/1.1\\r\\n")
+        >>> conn.next_event()
+        Traceback (most recent call last):
+        ...
+        meshcomm.errors.ProtocolError: client sent b'GET ', not the meshcomm store magic b'MCKV'
+    """
+
+    __slots__ = ("_buf", "_greeted")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._greeted = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as events."""
+        return len(self._buf)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Add bytes received from the client (copied: the caller may reuse ``data``)."""
+        self._buf += data
+
+    def next_event(self) -> Hello | Request | None:
+        """Return the next complete event, or None if more bytes are needed.
+
+        Raises:
+            ProtocolError: the bytes break the protocol; drop the connection.
+        """
+        buf = self._buf
+        if not self._greeted:
+            _check_magic(buf, "client")
+            if len(buf) < HELLO_SIZE:
+                return None
+            _, version, flags = _HELLO.unpack_from(buf, 0)
+            del buf[:HELLO_SIZE]
+            self._greeted = True
+            return Hello(version, flags)
+        if len(buf) < HEADER_SIZE:
+            return None
+        length, rid, op = _HEADER.unpack_from(buf, 0)
+        limit = _REQUEST_LIMITS.get(op)
+        if limit is None:
+            raise ProtocolError(f"unknown opcode {op} in request {rid}")
+        if length > limit:
+            raise ProtocolError(
+                f"{OP_NAMES[op]} request {rid} announces a {length}-byte body; the limit is "
+                f"{limit} bytes"
+            )
+        end = HEADER_SIZE + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[HEADER_SIZE:end])
+        del buf[:end]
+        return Request(rid, op, _PARSERS[op](body))
+
+
+class ClientConnection:
+    """The client's view of one connection: a :class:`HelloReply`, then :class:`Response` s.
+
+    Example:
+        >>> conn = ClientConnection()
+        >>> conn.receive_data(hello_reply(True) + ok_int(3, 42))
+        >>> conn.next_event()
+        HelloReply(version=1, status=0)
+        >>> rid, status, body = conn.next_event()
+        >>> rid, status, parse_int(body)
+        (3, 0, 42)
+    """
+
+    __slots__ = ("_buf", "_greeted")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._greeted = False
+
+    def hello(self, flags: int = 0) -> bytes:
+        """The 8-byte handshake this client sends first."""
+        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Add bytes received from the server (copied: the caller may reuse ``data``)."""
+        self._buf += data
+
+    def next_event(self) -> HelloReply | Response | None:
+        """Return the next complete event, or None if more bytes are needed.
+
+        Raises:
+            ProtocolError: the server's bytes break the protocol.
+        """
+        buf = self._buf
+        if not self._greeted:
+            _check_magic(buf, "server")
+            if len(buf) < HELLO_SIZE:
+                return None
+            _, version, status = _HELLO.unpack_from(buf, 0)
+            del buf[:HELLO_SIZE]
+            self._greeted = True
+            return HelloReply(version, status)
+        if len(buf) < HEADER_SIZE:
+            return None
+        length, rid, status = _HEADER.unpack_from(buf, 0)
+        if status not in _STATUSES:
+            raise ProtocolError(f"unknown response status {status} for request {rid}")
+        if length > MAX_BODY_BYTES:
+            raise ProtocolError(
+                f"response {rid} announces a {length}-byte body; the limit is {MAX_BODY_BYTES}"
+            )
+        end = HEADER_SIZE + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[HEADER_SIZE:end])
+        del buf[:end]
+        return Response(rid, status, body)

@@ -1,0 +1,349 @@
+"""The default world: the one place that holds this process's world group.
+
+:func:`init` runs the rendezvous (:mod:`meshcomm.rendezvous`), creates the world
+communicator of the chosen backend and wraps it in a :class:`~meshcomm.group.ProcessGroup`;
+:func:`shutdown` closes both. A :class:`World` object holds that state; the module keeps a
+single instance and the functions below delegate to it, so nothing else in meshcomm keeps a
+global group.
+
+Lifecycle: ``init`` twice raises; ``shutdown`` twice (or before ``init``) does nothing;
+after ``shutdown``, :func:`get_world` raises and the old group refuses to run collectives;
+``init`` may then be called again.
+
+Example:
+    >>> import meshcomm.world as world
+    >>> group = world.init(world_size=1, timeout=10)
+    >>> (group.rank, group.size, world.is_initialized())
+    (0, 1, True)
+    >>> world.shutdown()
+    >>> world.is_initialized()
+    False
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.backends import BACKENDS, create_world_communicator
+from meshcomm.backends.base import Communicator
+from meshcomm.errors import CommError, InvalidArgument, RendezvousError
+from meshcomm.reduction import ReduceOp
+from meshcomm.rendezvous import Rendezvous, rendezvous
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from meshcomm.group import ProcessGroup
+    from meshcomm.store.base import Store
+
+__all__ = [
+    "DEFAULT_BACKEND",
+    "World",
+    "get_world",
+    "get_world_info",
+    "init",
+    "is_initialized",
+    "shutdown",
+]
+
+#: Backend used when ``init`` gets none; a world of one runs on the "self" communicator.
+DEFAULT_BACKEND = "tcp"
+# Seconds the store-hosting rank keeps its server up after the backend failed to start, so
+# the other ranks read their own errors instead of a dropped store connection.
+_FAILED_INIT_LINGER = 2.0
+
+
+class World:
+    """Owns one default world group: its rendezvous, communicator and store.
+
+    meshcomm keeps one instance for the process (behind :func:`init` and friends); tests may
+    make their own.
+
+    Example:
+        >>> w = World()
+        >>> w.is_initialized()
+        False
+        >>> w.init(world_size=1).size
+        1
+        >>> w.shutdown(); w.shutdown()  # the second call does nothing
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._group: ProcessGroup | None = None
+        self._rendezvous: Rendezvous | None = None
+        self._was_shut_down = False
+        # Keys of each world live under its generation, so a store reused by a later init
+        # (every rank makes the same sequence of worlds) never shows stale claims.
+        self._generation = 0
+
+    def init(
+        self,
+        backend: str | None = None,
+        init_method: str | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        timeout: Timeout | None = None,
+        store: Store | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> ProcessGroup:
+        """Join the world; see :func:`meshcomm.world.init`."""
+        name = DEFAULT_BACKEND if backend is None else backend
+        if not isinstance(name, str):
+            raise TypeError(f"backend must be a str, got {type(name).__name__} {name!r}")
+        if name not in BACKENDS:
+            raise InvalidArgument(
+                f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}"
+            )
+        seconds = to_seconds(timeout)
+        with self._lock:
+            if self._group is not None:
+                group = self._group
+                raise RendezvousError(
+                    f"meshcomm.init() was already called in this process (rank {group.rank} of "
+                    f"{group.size}, backend {group.backend!r}); call meshcomm.shutdown() first"
+                )
+            generation = self._generation
+            self._generation += 1
+            rdzv = rendezvous(
+                init_method, world_size, rank, seconds, store, env=env, generation=generation
+            )
+            try:
+                group = _make_group(name, rdzv)
+            except BaseException:
+                # The others fail too (the backend is collective): linger only briefly.
+                rdzv.close(wait=_FAILED_INIT_LINGER)
+                raise
+            self._group, self._rendezvous = group, rdzv
+            return group
+
+    def shutdown(self) -> None:
+        """Close the world group and the store this process opened. Idempotent.
+
+        The rank hosting the store server waits (up to the world's timeout) until every rank
+        has called shutdown, so its server outlives every rank that still uses it.
+        """
+        with self._lock:
+            group, rdzv = self._group, self._rendezvous
+            if group is None or rdzv is None:
+                return
+            self._group, self._rendezvous = None, None
+            self._was_shut_down = True
+            try:
+                group.close()
+            finally:
+                rdzv.close()
+
+    def is_initialized(self) -> bool:
+        """Return True between a successful ``init`` and ``shutdown``."""
+        return self._group is not None
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The world group.
+
+        Raises:
+            RendezvousError: the world is not initialized (or was shut down).
+        """
+        group = self._group
+        if group is None:
+            if self._was_shut_down:
+                raise RendezvousError(
+                    "meshcomm is not initialized: meshcomm.shutdown() was called; call "
+                    "meshcomm.init() again"
+                )
+            raise RendezvousError("meshcomm is not initialized; call meshcomm.init() first")
+        return group
+
+    @property
+    def info(self) -> Rendezvous:
+        """How this process joined: rank, local rank, launcher, store address.
+
+        Raises:
+            RendezvousError: the world is not initialized.
+        """
+        self.group  # noqa: B018 - raises the not-initialized error
+        assert self._rendezvous is not None  # set together with the group
+        return self._rendezvous
+
+
+def _make_group(backend: str, rdzv: Rendezvous) -> ProcessGroup:
+    from meshcomm.group import ProcessGroup
+
+    try:
+        comm = create_world_communicator(
+            backend, rdzv.rank, rdzv.world_size, rdzv.store, rdzv.timeout
+        )
+    except ImportError as exc:
+        # Only a missing tcp backend is tolerated: the world still forms and its store works.
+        if backend != "tcp" or not (exc.name or "").startswith("meshcomm.backends.tcp"):
+            raise
+        comm = _UnavailableCommunicator(rdzv.rank, rdzv.world_size, rdzv.timeout, exc)
+    return ProcessGroup(comm, store=rdzv.store, name="world")
+
+
+class _UnavailableCommunicator(Communicator):
+    """Stands in for the tcp backend until it exists: every operation raises CommError."""
+
+    backend_name = "tcp"
+
+    def __init__(self, rank: int, size: int, timeout: float, cause: ImportError) -> None:
+        super().__init__(rank, range(size), timeout)
+        self._cause = cause
+
+    def _fail(self) -> CommError:
+        return CommError(
+            f"rank {self.rank}: the tcp backend is not available yet ({self._cause}); the "
+            "world's store (group.store) works meanwhile"
+        )
+
+    def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+        raise self._fail()
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        raise self._fail()
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        raise self._fail()
+
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
+        raise self._fail()
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        raise self._fail()
+
+    def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
+        raise self._fail()
+
+    def gather(self, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
+        raise self._fail()
+
+    def scatter(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        raise self._fail()
+
+    def barrier(self) -> None:
+        raise self._fail()
+
+    def send(self, array: np.ndarray, dst: int, tag: int) -> None:
+        raise self._fail()
+
+    def recv(self, src: int | None, tag: int) -> tuple[np.ndarray, int]:
+        raise self._fail()
+
+    def permute(self, send: np.ndarray, dst: int | None, recv: np.ndarray, src: int | None) -> None:
+        raise self._fail()
+
+    def sub(self, ranks: Sequence[int]) -> Communicator:
+        raise self._fail()
+
+    def close(self) -> None:
+        pass
+
+
+#: The process's default world. The only module-level state meshcomm keeps for it.
+_WORLD = World()
+
+
+def init(
+    backend: str | None = None,
+    init_method: str | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
+    timeout: Timeout | None = None,
+    store: Store | None = None,
+) -> ProcessGroup:
+    """Join the default world and return its group.
+
+    With no arguments, rank and world size come from the launcher's environment (``meshrun``,
+    ``torchrun``, ``mpiexec``, ``srun``; see :func:`meshcomm.rendezvous.detect_launch`) and a
+    plain ``python script.py`` is a world of one.
+
+    Args:
+        backend: "tcp" (default), "mpi", "nccl" or "self"; a world of one runs on "self".
+        init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
+        world_size: number of processes (default: from the environment).
+        rank: this process's rank (default: from the environment).
+        timeout: seconds or ``timedelta`` for the rendezvous and for every blocking operation
+            of the world (default: ``MESHCOMM_TIMEOUT`` or 300 s).
+        store: a store shared by all ranks, instead of ``init_method``; needs ``rank`` and
+            ``world_size``. meshcomm does not close it.
+
+    Returns:
+        The world :class:`~meshcomm.group.ProcessGroup`.
+
+    Raises:
+        RendezvousError: already initialized, or the ranks could not agree (duplicate rank,
+            different world sizes, a rank missing after the timeout, store unreachable).
+        InvalidArgument: bad arguments, URL or launcher environment.
+
+    Example:
+        >>> import meshcomm.world as world
+        >>> world.init(world_size=1, rank=0).ranks
+        (0,)
+        >>> world.shutdown()
+    """
+    return _WORLD.init(backend, init_method, world_size, rank, timeout, store)
+
+
+def shutdown() -> None:
+    """Leave the default world; does nothing if it is not initialized.
+
+    Example:
+        >>> import meshcomm.world as world
+        >>> world.shutdown()  # not initialized: a no-op
+    """
+    _WORLD.shutdown()
+
+
+def is_initialized() -> bool:
+    """Return True if the default world is initialized.
+
+    Example:
+        >>> import meshcomm.world as world
+        >>> world.is_initialized()
+        False
+    """
+    return _WORLD.is_initialized()
+
+
+def get_world() -> ProcessGroup:
+    """Return the default world group.
+
+    Raises:
+        RendezvousError: :func:`init` was not called, or :func:`shutdown` was.
+
+    Example:
+        >>> import meshcomm.world as world
+        >>> group = world.init(world_size=1)
+        >>> world.get_world() is group
+        True
+        >>> world.shutdown()
+        >>> world.World().group  # a world never initialized
+        Traceback (most recent call last):
+        ...
+        meshcomm.errors.RendezvousError: meshcomm is not initialized; call meshcomm.init() first
+    """
+    return _WORLD.group
+
+
+def get_world_info() -> Rendezvous:
+    """Return how this process joined the world: local rank, launcher, store address.
+
+    Raises:
+        RendezvousError: :func:`init` was not called, or :func:`shutdown` was.
+
+    Example:
+        >>> import meshcomm.world as world
+        >>> _ = world.init(world_size=1)
+        >>> info = world.get_world_info()
+        >>> info.local_rank, info.local_world_size
+        (0, 1)
+        >>> world.shutdown()
+    """
+    return _WORLD.info
