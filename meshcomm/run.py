@@ -1,0 +1,761 @@
+"""``meshrun``: start one process per rank, torchrun-style, and supervise them.
+
+Usage (the same spellings as ``torchrun``; ``--nproc_per_node`` works too)::
+
+    meshrun --nproc-per-node 4 train.py --lr 0.1
+    meshrun --nproc-per-node 4 -m mypkg.train
+    meshrun --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
+        --nproc-per-node 8 train.py
+
+Each rank gets the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ...), so
+``meshcomm.init()`` (and ``torch.distributed.init_process_group("env://")``) work unchanged.
+The launcher itself hosts the rendezvous store and sets ``MESHCOMM_STORE_HOSTED=1``: on one
+node it binds 127.0.0.1 on a port the kernel picks (no race), on several nodes node 0 binds
+``--master-port`` on every interface.
+
+Output lines are prefixed ``[rank3] ``. If a rank fails, the others get SIGTERM, then
+SIGKILL after ``--grace-period`` seconds; ``meshrun`` prints which rank failed and the tail of
+its stderr, and exits with that rank's status (128 + N for signal N). Ctrl-C stops every rank
+and exits 130. Ranks die with ``meshrun`` even if it is SIGKILLed (Linux).
+
+Example:
+    >>> import subprocess, sys
+    >>> cmd = [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", "2",
+    ...        "-m", "platform"]
+    >>> out = subprocess.run(cmd, capture_output=True, timeout=60).stdout.decode()
+    >>> sorted(line.split()[0] for line in out.splitlines())
+    ['[rank0]', '[rank1]']
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+from meshcomm._procs import (
+    DEFAULT_GRACE_PERIOD,
+    SHADOWING_VARIABLES,
+    describe_exit,
+    exit_status,
+    rank_environment,
+    send_signal,
+    signal_name,
+    supervised_command,
+)
+from meshcomm.errors import MeshCommError
+
+if TYPE_CHECKING:
+    from meshcomm.store.server import StoreServer
+
+__all__ = ["LaunchConfig", "child_environment", "launch", "main", "parse_args"]
+
+#: Port node 0 listens on when ``--nnodes`` > 1 and no ``--master-port`` is given (torchrun's).
+DEFAULT_MASTER_PORT = 29500
+
+# Lines of each rank's stderr kept for the failure summary.
+_TAIL_LINES = 200
+# Lines shown in the summary when the tail holds no "Traceback" header.
+_SHOWN_LINES = 20
+# A line longer than this is forwarded in pieces, so one rank cannot grow our memory.
+_MAX_LINE = 64 * 1024
+# After the last rank exits, how long to keep reading pipes its children may still hold.
+_DRAIN_SECONDS = 2.0
+# Longest sleep of the supervision loop; exits also wake it through pidfds where available.
+_TICK_WITH_PIDFD = 1.0
+_TICK_WITHOUT_PIDFD = 0.1
+
+# How long to wait for ranks after SIGKILL before reporting them and exiting anyway.
+_AFTER_SIGKILL = 10.0
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``meshrun`` needs to start one node's ranks; built by :func:`parse_args`.
+
+    Attributes:
+        nproc_per_node: ranks started on this node.
+        nnodes: nodes in the job.
+        node_rank: this node's index in ``[0, nnodes)``; node 0 hosts the store.
+        master_addr: address every rank connects to for the store.
+        master_port: port of the store; 0 lets the kernel pick (single node only).
+        bind_addr: address this node's store binds (node 0 only).
+        command: the argv each rank runs (interpreter included).
+        script_file: the Python file the ranks run; None with ``-m`` or ``--no-python``.
+        prefix: prefix each output line with ``[rankN] ``.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping ranks.
+        run_id: ``TORCHELASTIC_RUN_ID`` given to the ranks.
+    """
+
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    bind_addr: str
+    command: tuple[str, ...]
+    prefix: bool = True
+    grace_period: float = DEFAULT_GRACE_PERIOD
+    run_id: str = "none"
+    script_file: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole job: ``nnodes * nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshrun",
+        description="Start one process per rank with a torchrun-compatible environment.",
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default="1",
+        metavar="N",
+        help="ranks on this node: a number, 'cpu' (one per CPU), 'gpu' (one per NVIDIA GPU) "
+        "or 'auto' (gpu if any, else cpu); default 1",
+    )
+    add("--nnodes", default="1", metavar="M", help="nodes in the job (M or M:M); default 1")
+    add(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        default=0,
+        type=int,
+        metavar="K",
+        help="this node's index in [0, M); node 0 hosts the store; default 0",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default=None,
+        metavar="ADDR",
+        help="address of node 0 (the store); default 127.0.0.1",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        default=None,
+        type=int,
+        metavar="PORT",
+        help=f"port of the store; default: a free port on one node, {DEFAULT_MASTER_PORT} "
+        "on several",
+    )
+    add(
+        "--standalone",
+        action="store_true",
+        help="single node, store on 127.0.0.1 and a free port (ignores --master-*)",
+    )
+    add(
+        "--rdzv-id",
+        "--rdzv_id",
+        "--run-id",
+        "--run_id",
+        dest="run_id",
+        default="none",
+        metavar="ID",
+        help="job id exported as TORCHELASTIC_RUN_ID; default 'none'",
+    )
+    add(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module, like python -m",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_true",
+        help="run the target as an executable, without the Python interpreter",
+    )
+    add(
+        "--no-prefix",
+        dest="no_prefix",
+        action="store_true",
+        help="do not prefix output lines with [rankN]; ranks write to meshrun's terminal",
+    )
+    add(
+        "--grace-period",
+        dest="grace_period",
+        default=DEFAULT_GRACE_PERIOD,
+        type=float,
+        metavar="SECONDS",
+        help=f"seconds between SIGTERM and SIGKILL when stopping ranks; "
+        f"default {DEFAULT_GRACE_PERIOD:g}",
+    )
+    add("script", metavar="script", help="the program: a .py file, or a module with -m")
+    add("script_args", nargs=argparse.REMAINDER, help="arguments passed to the program")
+    return parser
+
+
+def _gpu_count() -> int:
+    # /dev/nvidiaN exist once the driver is loaded; no CUDA library needed to count them.
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return 0
+    return sum(1 for n in names if n.startswith("nvidia") and n[len("nvidia") :].isdigit())
+
+
+def _parse_nproc(raw: str, parser: argparse.ArgumentParser) -> int:
+    value = raw.strip().lower()
+    if value == "cpu" or (value == "auto" and _gpu_count() == 0):
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        count = _gpu_count()
+        if count == 0:
+            parser.error(f"--nproc-per-node {raw}: no NVIDIA GPU found (no /dev/nvidiaN)")
+        return count
+    try:
+        nproc = int(value)
+    except ValueError:
+        parser.error(f"--nproc-per-node must be a positive integer, cpu, gpu or auto; got {raw!r}")
+    if nproc < 1:
+        parser.error(f"--nproc-per-node must be at least 1, got {nproc}")
+    return nproc
+
+
+def _parse_nnodes(raw: str, parser: argparse.ArgumentParser) -> int:
+    low, sep, high = raw.partition(":")
+    try:
+        nnodes = int(low)
+        if sep and int(high) != nnodes:
+            parser.error(
+                f"--nnodes {raw}: elastic ranges are not supported; give one number "
+                f"(got min {low} and max {high})"
+            )
+    except ValueError:
+        parser.error(f"--nnodes must be a positive integer (or N:N), got {raw!r}")
+    if nnodes < 1:
+        parser.error(f"--nnodes must be at least 1, got {nnodes}")
+    return nnodes
+
+
+def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """Parse ``meshrun`` arguments into a :class:`LaunchConfig`.
+
+    Args:
+        argv: the arguments after the program name; None means ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: with status 2 and a usage message, for bad or inconsistent arguments.
+
+    Example:
+        >>> cfg = parse_args(["--nproc_per_node", "4", "train.py", "--lr", "0.1"])
+        >>> cfg.world_size, cfg.master_addr, cfg.master_port, cfg.command[-3:]
+        (4, '127.0.0.1', 0, ('train.py', '--lr', '0.1'))
+    """
+    parser = _build_parser()
+    ns = parser.parse_args(argv)
+    nproc = _parse_nproc(ns.nproc_per_node, parser)
+    nnodes = _parse_nnodes(ns.nnodes, parser)
+    if ns.standalone and nnodes != 1:
+        parser.error(f"--standalone runs a single node, but --nnodes is {nnodes}")
+    if not 0 <= ns.node_rank < nnodes:
+        parser.error(
+            f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, got {ns.node_rank}"
+        )
+    if ns.master_port is not None and not 0 <= ns.master_port <= 65535:
+        parser.error(f"--master-port must be in [0, 65535], got {ns.master_port}")
+    if not (math.isfinite(ns.grace_period) and ns.grace_period > 0):
+        parser.error(f"--grace-period must be a positive number of seconds, got {ns.grace_period}")
+    if ns.module and ns.no_python:
+        parser.error("--module and --no-python cannot be combined")
+
+    if ns.standalone or (nnodes == 1 and ns.master_addr is None and ns.master_port is None):
+        master_addr, master_port, bind_addr = "127.0.0.1", 0, "127.0.0.1"
+    elif nnodes == 1:
+        master_addr = ns.master_addr or "127.0.0.1"
+        master_port = 0 if ns.master_port is None else ns.master_port
+        bind_addr = master_addr
+    else:
+        master_addr = ns.master_addr or "127.0.0.1"
+        master_port = DEFAULT_MASTER_PORT if ns.master_port is None else ns.master_port
+        if master_port == 0:
+            parser.error("--master-port 0 only works on one node: other nodes must know the port")
+        # Node 0 may be reached through any of its addresses (as torchrun's store allows).
+        bind_addr = "0.0.0.0"
+
+    if ns.no_python:
+        command: tuple[str, ...] = (ns.script, *ns.script_args)
+    else:
+        python = os.environ.get("PYTHON_EXEC") or sys.executable
+        if ns.module:
+            command = (python, "-m", ns.script, *ns.script_args)
+        else:
+            command = (python, ns.script, *ns.script_args)
+    return LaunchConfig(
+        nproc_per_node=nproc,
+        nnodes=nnodes,
+        node_rank=ns.node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        bind_addr=bind_addr,
+        command=command,
+        prefix=not ns.no_prefix,
+        grace_period=ns.grace_period,
+        run_id=ns.run_id,
+        script_file=None if ns.module or ns.no_python else ns.script,
+    )
+
+
+def child_environment(
+    config: LaunchConfig, local_rank: int, master_port: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Return the environment of one rank: ``base`` plus the torchrun variables.
+
+    Args:
+        config: the launch configuration.
+        local_rank: the rank's index on this node, in ``[0, nproc_per_node)``.
+        master_port: the store's actual port (the kernel's pick when configured as 0).
+        base: the environment to extend; None means ``os.environ``.
+
+    Example:
+        >>> cfg = parse_args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
+        ...                   "--master-addr", "10.0.0.1", "x.py"])
+        >>> env = child_environment(cfg, 1, 29500, base={})
+        >>> env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["GROUP_RANK"]
+        ('3', '4', '1', '1')
+    """
+    env = dict(os.environ if base is None else base)
+    for name in SHADOWING_VARIABLES:
+        env.pop(name, None)
+    env.update(
+        rank_environment(
+            rank=config.node_rank * config.nproc_per_node + local_rank,
+            world_size=config.world_size,
+            local_rank=local_rank,
+            local_world_size=config.nproc_per_node,
+            master_addr=config.master_addr,
+            master_port=master_port,
+            group_rank=config.node_rank,
+            group_world_size=config.nnodes,
+            run_id=config.run_id,
+        )
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    if config.nproc_per_node > 1:
+        # N ranks each starting a BLAS thread per core would oversubscribe the cores N times.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class _Sink:
+    """One of meshrun's own output streams; a closed reader (``| head``) is not an error."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._broken = False
+
+    def write(self, data: bytes) -> None:
+        if self._broken or not data:
+            return
+        try:
+            self._stream.flush()
+            buffer = getattr(self._stream, "buffer", None)
+            if buffer is None:  # a text-only replacement (doctest, some notebooks)
+                self._stream.write(data.decode(errors="replace"))
+                self._stream.flush()
+            else:
+                buffer.write(data)
+                buffer.flush()
+        except (BrokenPipeError, ValueError):
+            self._broken = True
+
+    def say(self, text: str) -> None:
+        self.write(f"meshrun: {text}\n".encode())
+
+
+class _Lines:
+    """Split one rank's pipe into lines, prefix them, and write them to a sink."""
+
+    def __init__(self, fd: int, sink: _Sink, prefix: bytes, tail: deque[bytes] | None) -> None:
+        self.fd = fd
+        self._sink = sink
+        self._prefix = prefix
+        self._tail = tail
+        self._partial = b""
+
+    def read(self) -> bool:
+        """Forward what the pipe holds; return False at end of file."""
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self.flush()
+            return False
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > _MAX_LINE:
+            lines.append(self._partial)
+            self._partial = b""
+        self._emit(lines)
+        return True
+
+    def flush(self) -> None:
+        if self._partial:
+            self._emit([self._partial])
+            self._partial = b""
+
+    def _emit(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        if self._tail is not None:
+            self._tail.extend(lines)
+        self._sink.write(b"".join(self._prefix + line + b"\n" for line in lines))
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
+    returncode: int | None = None
+    # The last signal meshrun sent it (None: it ended on its own).
+    sent: int | None = None
+
+
+@contextmanager
+def _catch_stop_signals() -> Iterator[tuple[int | None, list[int]]]:
+    """Record SIGINT/SIGTERM/SIGHUP instead of dying, and wake the loop through a pipe.
+
+    Yields the pipe's read end (None outside the main thread, where Python allows no signal
+    handlers; Ctrl-C then stops meshrun the default way and the ranks die with it) and the
+    list the handler appends signal numbers to.
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield None, received
+        return
+    rfd, wfd = os.pipe()
+    os.set_blocking(rfd, False)
+    os.set_blocking(wfd, False)
+
+    def record(signum: int, _frame: Any) -> None:
+        received.append(signum)
+
+    old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    old_handlers = {signum: signal.signal(signum, record) for signum in _STOP_SIGNALS}
+    try:
+        yield rfd, received
+    finally:
+        for signum, handler in old_handlers.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(old_wakeup)
+        os.close(rfd)
+        os.close(wfd)
+
+
+class _Supervisor:
+    """Start this node's ranks, forward their output, and stop them all on the first failure."""
+
+    def __init__(self, config: LaunchConfig, master_port: int) -> None:
+        self.config = config
+        self.master_port = master_port
+        self.out = _Sink(sys.stdout)
+        self.err = _Sink(sys.stderr)
+        self.ranks: list[_Rank] = []
+        self.selector = selectors.DefaultSelector()
+        self.failures: list[_Rank] = []
+        self.stop_signal: int | None = None  # a signal meshrun itself received
+        self.kill_at: float | None = None  # when stopping: SIGKILL deadline
+        self.drain_until: float | None = None
+        self.give_up_at: float | None = None  # after SIGKILL: stop waiting for the ranks
+
+    # -- starting -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        for local_rank in range(cfg.nproc_per_node):
+            rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+            pipe = subprocess.PIPE if cfg.prefix else None
+            proc = subprocess.Popen(
+                supervised_command(cfg.command),
+                env=child_environment(cfg, local_rank, self.master_port),
+                stdin=subprocess.DEVNULL,
+                stdout=pipe,
+                stderr=pipe,
+            )
+            try:
+                pidfd: int | None = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                pidfd = None
+            entry = _Rank(rank, proc, pidfd)
+            self.ranks.append(entry)
+            if pidfd is not None:
+                self.selector.register(pidfd, selectors.EVENT_READ, None)
+            if cfg.prefix:
+                assert proc.stdout is not None and proc.stderr is not None  # PIPE above
+                tag = f"[rank{rank}] ".encode()
+                for stream, sink, tail in (
+                    (proc.stdout, self.out, None),
+                    (proc.stderr, self.err, entry.tail),
+                ):
+                    fd = stream.fileno()
+                    os.set_blocking(fd, False)
+                    self.selector.register(fd, selectors.EVENT_READ, _Lines(fd, sink, tag, tail))
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def live(self) -> list[_Rank]:
+        return [r for r in self.ranks if r.returncode is None]
+
+    def run(self, wakeup_fd: int | None, received: list[int]) -> int:
+        if wakeup_fd is not None:
+            self.selector.register(wakeup_fd, selectors.EVENT_READ, "wakeup")
+        with_pidfds = all(r.pidfd is not None for r in self.ranks)
+        tick = _TICK_WITH_PIDFD if with_pidfds else _TICK_WITHOUT_PIDFD
+        while True:
+            self._reap()
+            while received:
+                self._on_signal(received.pop(0))
+            if self.failures and self.kill_at is None:
+                self._begin_stop()
+            now = time.monotonic()
+            if self.kill_at is not None and now >= self.kill_at and self.live():
+                self._kill_all()
+            if self.give_up_at is not None and now >= self.give_up_at:
+                for entry in self.live():  # stuck in the kernel (state D); nothing more to do
+                    self.err.say(f"rank {entry.rank} (pid {entry.proc.pid}) survived SIGKILL")
+                break
+            if not self.live():
+                if self.drain_until is None:
+                    self.drain_until = now + _DRAIN_SECONDS
+                if not self._has_pipes() or now >= self.drain_until:
+                    break
+            timeout = tick
+            for deadline in (self.kill_at, self.drain_until, self.give_up_at):
+                if deadline is not None and deadline > now:
+                    timeout = min(timeout, deadline - now)
+            for key, _ in self.selector.select(max(timeout, 0.0)):
+                if key.data == "wakeup":
+                    self._drain_wakeup(key.fd)
+                elif isinstance(key.data, _Lines) and not key.data.read():
+                    self.selector.unregister(key.fd)
+        self._close()
+        self._summarize()
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        if self.failures:
+            assert self.failures[0].returncode is not None  # failures are reaped ranks
+            return exit_status(self.failures[0].returncode)
+        return 0
+
+    def _has_pipes(self) -> bool:
+        return any(isinstance(key.data, _Lines) for key in self.selector.get_map().values())
+
+    def _drain_wakeup(self, fd: int) -> None:
+        try:
+            while os.read(fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _reap(self) -> None:
+        for entry in self.live():
+            code = entry.proc.poll()
+            if code is None:
+                continue
+            entry.returncode = code
+            if entry.pidfd is not None:
+                self.selector.unregister(entry.pidfd)
+                os.close(entry.pidfd)
+                entry.pidfd = None
+            if code != 0 and entry.sent is None and self.stop_signal is None:
+                self.failures.append(entry)
+                if len(self.failures) == 1:
+                    others = len(self.live())
+                    tail = f"; stopping the other {others} ranks" if others else ""
+                    self.err.say(
+                        f"rank {entry.rank} (pid {entry.proc.pid}) {describe_exit(code)}{tail}"
+                    )
+
+    def _on_signal(self, signum: int) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            self.err.say(f"received {signal_name(signum)}; stopping {len(self.live())} ranks")
+            if self.kill_at is None:
+                self._begin_stop()
+        else:
+            # A second Ctrl-C: the user does not want to wait for the grace period.
+            self._kill_all()
+
+    def _begin_stop(self) -> None:
+        self.kill_at = time.monotonic() + self.config.grace_period
+        for entry in self.live():
+            self._signal(entry, signal.SIGTERM)
+
+    def _kill_all(self) -> None:
+        self.kill_at = math.inf
+        if self.give_up_at is None:
+            self.give_up_at = time.monotonic() + _AFTER_SIGKILL
+        for entry in self.live():
+            self._signal(entry, signal.SIGKILL)
+
+    def _signal(self, entry: _Rank, signum: int) -> None:
+        entry.sent = signum
+        # The rank leads its own group: signal the group so its children stop with it; a rank
+        # that moved itself to another group still gets the signal directly.
+        if not send_signal(entry.proc.pid, signum, group=True):
+            send_signal(entry.proc.pid, signum)
+
+    def abort(self) -> None:
+        """Kill the ranks started so far (a later one could not start) and reap them."""
+        self._kill_all()
+        for entry in self.ranks:
+            try:
+                entry.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.err.say(f"rank {entry.rank} (pid {entry.proc.pid}) survived SIGKILL")
+        self._close()
+
+    def _close(self) -> None:
+        for key in list(self.selector.get_map().values()):
+            if isinstance(key.data, _Lines):
+                key.data.flush()
+            self.selector.unregister(key.fd)
+        self.selector.close()
+        for entry in self.ranks:
+            if entry.pidfd is not None:
+                os.close(entry.pidfd)
+                entry.pidfd = None
+            for stream in (entry.proc.stdout, entry.proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+    # -- the report ---------------------------------------------------------------------------
+
+    def _summarize(self) -> None:
+        for i, entry in enumerate(self.failures):
+            assert entry.returncode is not None
+            what = f"rank {entry.rank} (pid {entry.proc.pid}) {describe_exit(entry.returncode)}"
+            if i > 0:
+                self.err.say(f"{what} too")
+            elif entry.tail:
+                self._show_tail(what, entry)
+            else:
+                self.err.say(what)
+        stopped = [r for r in self.ranks if r.sent is not None]
+        if not stopped:
+            return
+        cause = (
+            f"meshrun received {signal_name(self.stop_signal)}"
+            if self.stop_signal is not None
+            else f"rank {self.failures[0].rank} failed"
+        )
+        killed = [r for r in stopped if r.sent == signal.SIGKILL]
+        termed = [r for r in stopped if r.sent != signal.SIGKILL]
+        if termed:
+            self.err.say(f"stopped {_rank_list(termed)} with SIGTERM after {cause}")
+        if killed:
+            self.err.say(
+                f"killed {_rank_list(killed)} with SIGKILL: still running "
+                f"{self.config.grace_period:g} s after SIGTERM ({cause})"
+            )
+
+    def _show_tail(self, what: str, entry: _Rank) -> None:
+        lines = list(entry.tail)
+        starts = [i for i, line in enumerate(lines) if line.startswith(b"Traceback (most recent")]
+        shown = lines[starts[-1] :] if starts else lines[-_SHOWN_LINES:]
+        self.err.say(f"{what}; the end of its stderr:")
+        tag = f"[rank{entry.rank}] ".encode()
+        self.err.write(b"".join(tag + line + b"\n" for line in shown))
+
+
+def _rank_list(entries: list[_Rank]) -> str:
+    ranks = ", ".join(str(r.rank) for r in entries)
+    return f"rank {ranks}" if len(entries) == 1 else f"ranks {ranks}"
+
+
+def _host_store(config: LaunchConfig) -> StoreServer:
+    """Start the rendezvous store this node hosts (node 0 only)."""
+    from meshcomm.store.server import StoreServer
+
+    server = StoreServer(config.bind_addr, config.master_port)
+    server.start()
+    return server
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run this node's ranks until they all exit; return ``meshrun``'s exit status.
+
+    Node 0 hosts the store for the whole job. Returns 0 if every rank exited 0; otherwise
+    the first failing rank's status (its exit code, or 128 + the signal that killed it), or
+    128 + N if ``meshrun`` itself received signal N (130 for Ctrl-C).
+
+    Example:
+        >>> import sys
+        >>> cfg = parse_args(["--nproc-per-node", "2", "--no-python",
+        ...                   sys.executable, "-c", "import os; os.environ['RANK']"])
+        >>> launch(cfg)
+        0
+    """
+    with _catch_stop_signals() as (wakeup_fd, received):
+        server = None
+        port = config.master_port
+        if config.node_rank == 0:
+            try:
+                server = _host_store(config)
+            except (MeshCommError, OSError) as exc:  # names the address and the reason
+                print(f"meshrun: {exc}", file=sys.stderr)
+                return 1
+            port = server.port
+        supervisor = _Supervisor(config, port)
+        try:
+            try:
+                supervisor.start()
+            except OSError as exc:
+                supervisor.err.say(f"cannot start {config.command[0]!r}: {exc}")
+                supervisor.abort()
+                return 1
+            return supervisor.run(wakeup_fd, received)
+        finally:
+            if server is not None:
+                server.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``meshrun`` console script and of ``python -m meshcomm.run``.
+
+    Args:
+        argv: arguments after the program name; None means ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (see :func:`launch`); 2 for bad arguments.
+    """
+    config = parse_args(argv)
+    if config.script_file is not None and not os.path.exists(config.script_file):
+        print(f"meshrun: error: no such script: {config.script_file}", file=sys.stderr)
+        return 2
+    return launch(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""``meshcomm.spawn``: run ``fn(rank, *args)`` in N processes, like ``torch.multiprocessing.spawn``.
+
+The parent hosts the rendezvous store (a ``StoreServer`` on 127.0.0.1, port picked by the
+kernel) and gives each process the torchrun environment, so ``meshcomm.init()`` inside ``fn``
+needs no arguments. Processes start with the ``spawn`` method (a fresh interpreter: ``fn``
+and ``args`` must be picklable, so ``fn`` is a module-level function).
+
+Failure behaviour matches ``meshrun``: when one process raises (or exits non-zero, or dies
+from a signal), the others get SIGTERM, then SIGKILL after a grace period, and the parent
+raises :class:`ProcessRaisedException` (with the child's traceback text) or
+:class:`ProcessExitedException`. The processes die with the parent if it is killed (Linux).
+
+Example:
+    >>> import operator
+    >>> from meshcomm.spawn import spawn
+    >>> spawn(operator.add, args=(0,), nprocs=2, timeout=120)  # operator.add(rank, 0) per rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
+
+from meshcomm._procs import (
+    DEFAULT_GRACE_PERIOD,
+    SHADOWING_VARIABLES,
+    describe_exit,
+    rank_environment,
+    set_parent_death_signal,
+    signal_name,
+)
+from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.errors import InvalidArgument, MeshCommError
+
+if TYPE_CHECKING:
+    from meshcomm.store.server import StoreServer
+
+__all__ = [
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "SpawnContext",
+    "SpawnError",
+    "SpawnTimeout",
+    "spawn",
+]
+
+# Longest single wait of join(); exits wake it earlier through the process sentinels.
+_POLL_SECONDS = 1.0
+# Exit status of a child whose fn was interrupted by Ctrl-C (128 + SIGINT, as a shell says).
+_INTERRUPTED = 130
+
+
+class SpawnError(MeshCommError):
+    """A process started by :func:`spawn` failed; the others were stopped.
+
+    Attributes:
+        rank: the rank of the process that failed first (None for a timeout).
+        pid: its process id (None for a timeout).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+
+
+class ProcessRaisedException(SpawnError):
+    """``fn`` raised an exception in one process.
+
+    Attributes:
+        traceback: the child's formatted traceback (the exception itself stays in the child:
+            it may not be picklable, and its traceback is what you need).
+    """
+
+    def __init__(self, message: str, rank: int, pid: int, traceback_text: str) -> None:
+        super().__init__(message, rank, pid)
+        self.traceback = traceback_text
+
+
+class ProcessExitedException(SpawnError):
+    """A process exited with a non-zero code or died from a signal without raising.
+
+    Attributes:
+        exit_code: the process's exit code, or minus the signal number that killed it.
+        signal_name: the name of that signal ("SIGKILL"), None for a plain exit.
+    """
+
+    def __init__(self, message: str, rank: int, pid: int, exit_code: int) -> None:
+        super().__init__(message, rank, pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name(-exit_code) if exit_code < 0 else None
+
+
+class SpawnTimeout(SpawnError, TimeoutError):
+    """The processes were still running when the timeout of :func:`spawn` expired.
+
+    Attributes:
+        running: ranks that had not finished (they were stopped).
+    """
+
+    def __init__(self, message: str, running: Sequence[int]) -> None:
+        super().__init__(message)
+        self.running = list(running)
+
+
+def _entry(
+    fn: Callable[..., object],
+    rank: int,
+    args: tuple[object, ...],
+    env: dict[str, str],
+    errors: Connection,
+    parent_pid: int,
+) -> None:
+    """Body of every spawned process: tie it to the parent, set the rank's env, run fn."""
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before prctl: nobody would ever stop this process
+    for name in SHADOWING_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    try:
+        fn(rank, *args)
+    except KeyboardInterrupt:
+        # Ctrl-C reached the whole terminal's process group; the parent reports it.
+        sys.exit(_INTERRUPTED)
+    except Exception:
+        # OSError: the parent is gone or already tearing down, so there is nobody to tell.
+        with contextlib.suppress(OSError):
+            errors.send_bytes(traceback.format_exc().encode(errors="replace"))
+        sys.exit(1)
+    finally:
+        errors.close()
+
+
+class SpawnContext:
+    """Handle on the processes of a :func:`spawn` call made with ``join=False``.
+
+    Attributes:
+        processes: the ``multiprocessing`` processes, index = rank.
+
+    Example:
+        >>> import operator
+        >>> ctx = spawn(operator.add, args=(0,), nprocs=2, join=False)
+        >>> len(ctx.pids())
+        2
+        >>> ctx.join(timeout=120)
+        True
+    """
+
+    def __init__(
+        self,
+        processes: list[BaseProcess],
+        errors: list[Connection],
+        server: StoreServer | None,
+        grace_period: float = DEFAULT_GRACE_PERIOD,
+    ) -> None:
+        self.processes = processes
+        self._errors: dict[int, Connection] = dict(enumerate(errors))
+        self._tracebacks: dict[int, str] = {}
+        self._server = server
+        self._grace_period = grace_period
+        self._exit_order: list[int] = []
+        self._failure: SpawnError | None = None
+        self._done = False
+
+    def pids(self) -> list[int]:
+        """Return the process ids, index = rank."""
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    def join(self, timeout: Timeout | None = None) -> bool:
+        """Wait for the processes; stop them all and raise if one fails.
+
+        Args:
+            timeout: seconds (or ``timedelta``) to wait; None waits until they all exit.
+
+        Returns:
+            True once every process exited with code 0; False if the timeout expired first
+            (the processes keep running; call ``join`` again or :meth:`terminate`).
+
+        Raises:
+            ProcessRaisedException: ``fn`` raised in some process (its traceback attached).
+            ProcessExitedException: a process exited non-zero or was killed by a signal.
+            KeyboardInterrupt: Ctrl-C while waiting; the processes are stopped first.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if self._done:
+            return True
+        deadline = None if timeout is None else time.monotonic() + to_seconds(timeout)
+        try:
+            while True:
+                self._collect()
+                failed = [r for r in self._exit_order if self.processes[r].exitcode != 0]
+                if failed:
+                    running = sum(p.exitcode is None for p in self.processes)
+                    self.terminate()
+                    self._failure = self._error(failed[0], running)
+                    raise self._failure
+                if len(self._exit_order) == len(self.processes):
+                    self._finish()
+                    return True
+                wait = _POLL_SECONDS
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return False
+                live = [p.sentinel for p in self.processes if p.exitcode is None]
+                multiprocessing.connection.wait([*live, *self._errors.values()], timeout=wait)
+        except KeyboardInterrupt:
+            self.terminate()
+            raise
+
+    def terminate(self) -> None:
+        """Stop every process still running: SIGTERM, then SIGKILL after the grace period.
+
+        Idempotent; also closes the store the processes shared.
+        """
+        live = [p for p in self.processes if p.exitcode is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + self._grace_period
+        while live and time.monotonic() < deadline:
+            multiprocessing.connection.wait(
+                [p.sentinel for p in live], timeout=deadline - time.monotonic()
+            )
+            live = [p for p in live if p.exitcode is None]
+        for proc in live:
+            proc.kill()
+        for proc in self.processes:
+            proc.join(timeout=self._grace_period)
+        self._collect()
+        self._finish()
+
+    def _collect(self) -> None:
+        """Read tracebacks that arrived and note processes that exited, in order."""
+        for rank, conn in list(self._errors.items()):
+            try:
+                while conn.poll(0):
+                    self._tracebacks[rank] = conn.recv_bytes().decode(errors="replace")
+            except (EOFError, OSError):
+                conn.close()
+                del self._errors[rank]
+        for rank, proc in enumerate(self.processes):
+            if rank not in self._exit_order and proc.exitcode is not None:
+                self._exit_order.append(rank)
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        for conn in self._errors.values():
+            conn.close()
+        self._errors.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def _error(self, rank: int, stopped_count: int) -> SpawnError:
+        proc = self.processes[rank]
+        code = proc.exitcode
+        pid = proc.pid
+        assert code is not None and pid is not None  # rank is in _exit_order
+        plural = "process" if stopped_count == 1 else "processes"
+        stopped = f"; stopped {stopped_count} running {plural}" if stopped_count else ""
+        text = self._tracebacks.get(rank)
+        if text is not None:
+            return ProcessRaisedException(
+                f"rank {rank} (pid {pid}) raised an exception{stopped}:\n\n{text.rstrip()}",
+                rank,
+                pid,
+                text,
+            )
+        return ProcessExitedException(
+            f"rank {rank} (pid {pid}) {describe_exit(code)}{stopped}", rank, pid, code
+        )
+
+
+def _check_picklable(what: str, value: object) -> None:
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"meshcomm.spawn: {what} must be picklable to reach a spawned process "
+            f"(fn must be a module-level function, not a lambda or local function): {exc}"
+        ) from exc
+
+
+def _host_store() -> StoreServer:
+    from meshcomm.store.server import StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    server.start()
+    return server
+
+
+def spawn(
+    fn: Callable[..., object],
+    args: tuple[object, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    timeout: Timeout | None = None,
+) -> SpawnContext | None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes with a ready rendezvous.
+
+    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT`` and ``MESHCOMM_STORE_HOSTED=1`` (the store is a
+    ``StoreServer`` this process hosts on 127.0.0.1), so ``meshcomm.init()`` in ``fn`` joins
+    a world of ``nprocs``. If one process fails, the others are stopped (SIGTERM, then
+    SIGKILL after a few seconds) and an exception says which rank failed and why. The
+    processes die if this one is killed; start them from a thread that outlives them (Linux
+    ties them to the starting thread).
+
+    Args:
+        fn: a picklable (module-level) function called as ``fn(rank, *args)``.
+        args: further arguments for ``fn``; must be picklable.
+        nprocs: number of processes (ranks ``0 .. nprocs - 1``).
+        join: wait for the processes and return None; False returns a
+            :class:`SpawnContext` at once.
+        timeout: with ``join=True``, seconds (or ``timedelta``) the processes may run; when
+            it expires they are stopped and :class:`SpawnTimeout` is raised. None: no limit.
+
+    Returns:
+        None with ``join=True``; otherwise the :class:`SpawnContext`.
+
+    Raises:
+        InvalidArgument: bad ``nprocs`` or ``timeout``, unpicklable ``fn``/``args``, or a
+            timeout given with ``join=False`` (pass it to :meth:`SpawnContext.join`).
+        ProcessRaisedException: ``fn`` raised in a process; has ``rank`` and ``traceback``.
+        ProcessExitedException: a process exited non-zero or was killed by a signal.
+        SpawnTimeout: the processes ran past ``timeout``.
+
+    Example:
+        >>> ctx = spawn(pow, args=(-1,), nprocs=2, join=False)  # pow(0, -1) fails on rank 0
+        >>> try:
+        ...     ctx.join(timeout=120)
+        ... except ProcessRaisedException as exc:
+        ...     print(exc.rank, exc.traceback.splitlines()[-1])
+        0 ZeroDivisionError: 0.0 cannot be raised to a negative power
+    """
+    if not callable(fn):
+        raise TypeError(f"meshcomm.spawn: fn must be callable, got {type(fn).__name__} {fn!r}")
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise InvalidArgument(f"meshcomm.spawn: nprocs must be an int >= 1, got {nprocs!r}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"meshcomm.spawn: args must be a tuple, got {type(args).__name__}")
+    seconds = None if timeout is None else to_seconds(timeout)
+    if seconds is not None and not join:
+        raise InvalidArgument(
+            "meshcomm.spawn: timeout applies with join=True; with join=False pass it to "
+            f"SpawnContext.join() (got timeout={timeout!r})"
+        )
+    _check_picklable("fn", fn)
+    _check_picklable("args", args)
+
+    mp = multiprocessing.get_context("spawn")
+    server = _host_store()
+    processes: list[BaseProcess] = []
+    readers: list[Connection] = []
+    try:
+        for rank in range(nprocs):
+            env = rank_environment(
+                rank=rank,
+                world_size=nprocs,
+                local_rank=rank,
+                local_world_size=nprocs,
+                master_addr="127.0.0.1",
+                master_port=server.port,
+            )
+            reader, writer = mp.Pipe(duplex=False)
+            proc = mp.Process(
+                target=_entry,
+                args=(fn, rank, args, env, writer, os.getpid()),
+                name=f"meshcomm-rank{rank}",
+            )
+            proc.start()
+            writer.close()  # the child holds the only write end: EOF means it is gone
+            processes.append(proc)
+            readers.append(reader)
+    except BaseException:
+        SpawnContext(processes, readers, server).terminate()  # stop those already started
+        raise
+    context = SpawnContext(processes, readers, server)
+    if not join:
+        return context
+    if not context.join(seconds):
+        running = [r for r, p in enumerate(processes) if p.exitcode is None]
+        context.terminate()
+        raise SpawnTimeout(
+            f"meshcomm.spawn: rank(s) {running} still running after {seconds:g} s; "
+            "stopped all processes",
+            running,
+        )
+    return None
