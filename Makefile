@@ -18,9 +18,16 @@ $(VENV)/.core: pyproject.toml | $(PY)
 	$(PIP) install -e .
 	touch $@
 
-# Everything the suite needs: test tools, MPICH + mpi4py from PyPI.
+# Everything the suite needs: test tools, MPICH + mpi4py from PyPI, and torch 2.13.0 (CPU;
+# pinned first so no unpinned requirement can pull a CUDA build) for torchrun and compat tests.
 $(VENV)/.dev: pyproject.toml $(VENV)/.core
+	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test,mpi]"
+	touch $@
+
+# Plots for the side-by-side benchmarks (torch gloo comes with .dev).
+$(VENV)/.bench: $(VENV)/.dev
+	$(PIP) install matplotlib
 	touch $@
 
 venv: $(VENV)/.dev
@@ -38,8 +45,9 @@ pytest: $(VENV)/.dev
 
 test: lint pytest
 
-bench: $(VENV)/.dev
-	$(VENV)/bin/meshcomm-bench
+bench: $(VENV)/.bench
+	$(PY) bench/compare.py --worlds 2 4 --ops all_reduce all_gather reduce_scatter broadcast \
+		--json docs/benchmarks.json --plot docs/img/busbw.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
