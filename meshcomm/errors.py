@@ -11,6 +11,10 @@ MeshCommError`` catches them all. The tree::
     │   ├── CommTimeout         a peer stayed silent past the timeout (also a TimeoutError)
     │   ├── PeerError           a peer went away (its process died, its connection closed)
     │   └── ProtocolError       bytes on the wire were not what the protocol allows
+    ├── SpawnError              a process started by meshcomm.spawn failed; the others were stopped
+    │   ├── ProcessRaisedException  its function raised (carries the child's traceback text)
+    │   ├── ProcessExitedException  it exited non-zero or died from a signal
+    │   └── SpawnTimeout        still running when spawn's timeout expired (also a TimeoutError)
     └── InvalidArgument         bad input, raised before any I/O (also a ValueError)
 
 Messages name the rank, the address or key, and both values where two disagree.
@@ -26,14 +30,21 @@ Example:
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Sequence
+
 __all__ = [
     "CommError",
     "CommTimeout",
     "InvalidArgument",
     "MeshCommError",
     "PeerError",
+    "ProcessExitedException",
+    "ProcessRaisedException",
     "ProtocolError",
     "RendezvousError",
+    "SpawnError",
+    "SpawnTimeout",
     "StoreError",
     "StoreTimeout",
 ]
@@ -77,6 +88,66 @@ class PeerError(CommError):
 
 class ProtocolError(CommError):
     """Bytes received were not what the protocol allows (foreign or corrupt peer)."""
+
+
+class SpawnError(MeshCommError):
+    """A process started by :func:`spawn` failed; the others were stopped.
+
+    Attributes:
+        rank: the rank of the process that failed first (None for a timeout).
+        pid: its process id (None for a timeout).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+
+
+class ProcessRaisedException(SpawnError):
+    """``fn`` raised an exception in one process.
+
+    Attributes:
+        traceback: the child's formatted traceback (the exception itself stays in the child:
+            it may not be picklable, and its traceback is what you need).
+    """
+
+    def __init__(self, message: str, rank: int, pid: int, traceback_text: str) -> None:
+        super().__init__(message, rank, pid)
+        self.traceback = traceback_text
+
+
+class ProcessExitedException(SpawnError):
+    """A process exited with a non-zero code or died from a signal without raising.
+
+    Attributes:
+        exit_code: the process's exit code, or minus the signal number that killed it.
+        signal_name: the name of that signal ("SIGKILL"), None for a plain exit.
+    """
+
+    def __init__(self, message: str, rank: int, pid: int, exit_code: int) -> None:
+        super().__init__(message, rank, pid)
+        self.exit_code = exit_code
+        self.signal_name = _signal_name(-exit_code) if exit_code < 0 else None
+
+
+class SpawnTimeout(SpawnError, TimeoutError):
+    """The processes were still running when the timeout of :func:`spawn` expired.
+
+    Attributes:
+        running: ranks that had not finished (they were stopped).
+    """
+
+    def __init__(self, message: str, running: Sequence[int]) -> None:
+        super().__init__(message)
+        self.running = list(running)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class InvalidArgument(MeshCommError, ValueError):

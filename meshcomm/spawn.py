@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
@@ -38,10 +38,15 @@ from meshcomm._procs import (
     describe_exit,
     rank_environment,
     set_parent_death_signal,
-    signal_name,
 )
 from meshcomm._timeout import Timeout, to_seconds
-from meshcomm.errors import InvalidArgument, MeshCommError
+from meshcomm.errors import (
+    InvalidArgument,
+    ProcessExitedException,
+    ProcessRaisedException,
+    SpawnError,
+    SpawnTimeout,
+)
 
 if TYPE_CHECKING:
     from meshcomm.store.server import StoreServer
@@ -59,59 +64,6 @@ __all__ = [
 _POLL_SECONDS = 1.0
 # Exit status of a child whose fn was interrupted by Ctrl-C (128 + SIGINT, as a shell says).
 _INTERRUPTED = 130
-
-
-class SpawnError(MeshCommError):
-    """A process started by :func:`spawn` failed; the others were stopped.
-
-    Attributes:
-        rank: the rank of the process that failed first (None for a timeout).
-        pid: its process id (None for a timeout).
-    """
-
-    def __init__(self, message: str, rank: int | None = None, pid: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.pid = pid
-
-
-class ProcessRaisedException(SpawnError):
-    """``fn`` raised an exception in one process.
-
-    Attributes:
-        traceback: the child's formatted traceback (the exception itself stays in the child:
-            it may not be picklable, and its traceback is what you need).
-    """
-
-    def __init__(self, message: str, rank: int, pid: int, traceback_text: str) -> None:
-        super().__init__(message, rank, pid)
-        self.traceback = traceback_text
-
-
-class ProcessExitedException(SpawnError):
-    """A process exited with a non-zero code or died from a signal without raising.
-
-    Attributes:
-        exit_code: the process's exit code, or minus the signal number that killed it.
-        signal_name: the name of that signal ("SIGKILL"), None for a plain exit.
-    """
-
-    def __init__(self, message: str, rank: int, pid: int, exit_code: int) -> None:
-        super().__init__(message, rank, pid)
-        self.exit_code = exit_code
-        self.signal_name = signal_name(-exit_code) if exit_code < 0 else None
-
-
-class SpawnTimeout(SpawnError, TimeoutError):
-    """The processes were still running when the timeout of :func:`spawn` expired.
-
-    Attributes:
-        running: ranks that had not finished (they were stopped).
-    """
-
-    def __init__(self, message: str, running: Sequence[int]) -> None:
-        super().__init__(message)
-        self.running = list(running)
 
 
 def _entry(
