@@ -1,0 +1,269 @@
+"""Arrays at the group boundary: accepted dtypes, input snapshots, layouts, scratch memory.
+
+This is the one place that knows what an "array" is for :mod:`meshcomm.group`: inputs go
+through :func:`as_array`, results are plain numpy arrays. A backend-specific adapter (cupy
+arrays for nccl, torch tensors via DLPack) plugs in here, behind the same few functions.
+
+Layouts: communicators see rank-major flat buffers (block ``r`` belongs to rank ``r``).
+:func:`blocks_view` turns an input into that layout as a *view* (so the one snapshot copy
+also does the transpose), and :func:`unstack` turns received rank-major blocks into the
+result array, copying only when the requested axis forces a transpose.
+
+Example:
+    >>> x = np.arange(6).reshape(2, 3)
+    >>> blocks_view(x, axis=1, size=3, tiled=True).shape  # 3 blocks of shape (2, 1)
+    (3, 2, 1)
+    >>> unstack(np.arange(6), (3,), axis=0, size=2, tiled=True)
+    array([0, 1, 2, 3, 4, 5])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from meshcomm.errors import InvalidArgument
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "ScratchPool",
+    "as_array",
+    "blocks_view",
+    "check_dtype",
+    "copy_into",
+    "dtype_name",
+    "normalize_shape",
+    "unstack",
+]
+
+#: Dtypes every backend moves and reduces (numpy's bool/int/uint/float/complex + bfloat16).
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+        ml_dtypes.bfloat16,
+    )
+)
+
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_SUPPORTED_TEXT = "bool, int8..int64, uint8..uint64, float16/32/64, complex64/128, bfloat16"
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Return a dtype's readable name (``bfloat16``, not ``<V2``).
+
+    Example:
+        >>> dtype_name(np.dtype(ml_dtypes.bfloat16))
+        'bfloat16'
+    """
+    return np.dtype(dtype).name
+
+
+def check_dtype(dtype: Any, where: str) -> np.dtype:
+    """Return ``dtype`` in native byte order, or raise if meshcomm cannot communicate it.
+
+    Args:
+        dtype: anything ``np.dtype`` accepts.
+        where: prefix for the error message (rank and group).
+
+    Raises:
+        TypeError: object, string, structured, datetime or other unsupported dtypes.
+
+    Example:
+        >>> check_dtype(">i4", "rank 0").str
+        '<i4'
+        >>> check_dtype(object, "rank 0")
+        Traceback (most recent call last):
+        ...
+        TypeError: rank 0: dtype object is not supported (supported: bool, int8..int64, \
+uint8..uint64, float16/32/64, complex64/128, bfloat16)
+    """
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{where}: {dtype!r} is not a dtype ({exc})") from None
+    if dt.kind in "biufc" and not dt.isnative:
+        dt = dt.newbyteorder("=")
+    if dt in _SUPPORTED:
+        return dt
+    raise TypeError(f"{where}: dtype {dt} is not supported (supported: {_SUPPORTED_TEXT})")
+
+
+def as_array(x: Any, where: str) -> np.ndarray:
+    """Return ``x`` as a numpy array (no copy when it already is one), checking its dtype.
+
+    Python scalars and (nested) lists become arrays as ``np.asarray`` makes them. The array
+    may have any strides and byte order; :func:`copy_into` normalizes both.
+
+    Raises:
+        TypeError: unsupported dtype, or ``x`` is None.
+
+    Example:
+        >>> as_array([1, 2], "rank 0").dtype
+        dtype('int64')
+    """
+    if x is None:
+        raise TypeError(f"{where}: expected an array, got None")
+    if isinstance(x, np.ndarray):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{where}: cannot make an array from {type(x).__name__}: {exc}"
+            ) from None
+    check_dtype(arr.dtype, where)
+    return arr
+
+
+def normalize_shape(shape: Any, where: str) -> tuple[int, ...]:
+    """Return ``shape`` (an int or a sequence of non-negative ints) as a tuple.
+
+    Raises:
+        TypeError: not an int or a sequence of ints.
+        InvalidArgument: a negative dimension.
+
+    Example:
+        >>> normalize_shape(3, "rank 0"), normalize_shape([2, 0], "rank 0")
+        ((3,), (2, 0))
+    """
+    dims: Sequence[Any] = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        out = tuple(int(d) for d in dims if not isinstance(d, bool))
+    except TypeError:
+        raise TypeError(
+            f"{where}: shape must be an int or a sequence of ints, got {shape!r}"
+        ) from None
+    if len(out) != len(dims) or any(d < 0 for d in out):
+        raise InvalidArgument(f"{where}: shape must be non-negative ints, got {shape!r}")
+    return out
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> np.ndarray:
+    """Copy ``src`` (any strides, byte order, layout) into the C-contiguous ``dst``.
+
+    ``dst`` may be flat; it is viewed with ``src``'s shape. Returns ``dst``.
+
+    Example:
+        >>> f = np.asfortranarray(np.arange(6).reshape(2, 3))
+        >>> copy_into(np.empty(6, np.int64), f)
+        array([0, 1, 2, 3, 4, 5])
+    """
+    np.copyto(dst.reshape(src.shape), src)
+    return dst
+
+
+def blocks_view(x: np.ndarray, axis: int, size: int, tiled: bool) -> np.ndarray:
+    """View ``x`` as ``size`` rank blocks along ``axis``, block index first.
+
+    Not tiled: ``x.shape[axis] == size`` and block ``r`` is ``x.take(r, axis)``. Tiled:
+    block ``r`` is the ``r``-th of ``size`` equal chunks along ``axis`` (the axis keeps its
+    place in the block). The caller checks sizes; copying the view C-contiguously gives the
+    rank-major layout communicators expect.
+
+    Example:
+        >>> blocks_view(np.arange(4).reshape(2, 2), axis=1, size=2, tiled=False)[1]
+        array([1, 3])
+    """
+    if not tiled:
+        return np.moveaxis(x, axis, 0)
+    chunk = x.shape[axis] // size if size else 0
+    split = x.reshape((*x.shape[:axis], size, chunk, *x.shape[axis + 1 :]))
+    return np.moveaxis(split, axis, 0)
+
+
+def unstack(
+    flat: np.ndarray, block_shape: tuple[int, ...], axis: int, size: int, tiled: bool
+) -> np.ndarray:
+    """Turn ``size`` rank-major blocks into the result, stacked or concatenated at ``axis``.
+
+    Not tiled: a new axis of length ``size`` is inserted at ``axis`` (``0 <= axis <=
+    len(block_shape)``). Tiled: the blocks are concatenated along ``axis`` (``0 <= axis <
+    len(block_shape)``). The result is C-contiguous; it shares ``flat``'s memory whenever
+    the layout allows (axis 0, or only length-1 axes before it), else it is one copy.
+
+    Example:
+        >>> unstack(np.arange(4), (2,), axis=1, size=2, tiled=False)
+        array([[0, 2],
+               [1, 3]])
+    """
+    stacked = flat.reshape((size, *block_shape))
+    moved = np.moveaxis(stacked, 0, axis)
+    if tiled:
+        merged = (*block_shape[:axis], size * block_shape[axis], *block_shape[axis + 1 :])
+        moved = moved.reshape(merged)
+    return np.ascontiguousarray(moved)
+
+
+class ScratchPool:
+    """Reusable byte buffers for memory that never escapes a call (send-side snapshots).
+
+    Results are fresh arrays (they belong to the caller), but send buffers are only needed
+    until the communicator returns: reusing them spares a page-faulted allocation per call
+    for large messages. Buffers are kept in power-of-two size classes, up to ``max_bytes``
+    in all. Thread-safe: buffers are taken on the caller's thread and given back on the
+    thread that ran the operation.
+
+    Example:
+        >>> pool = ScratchPool()
+        >>> base, view = pool.take(np.dtype(np.float32), (2, 3))
+        >>> view.shape, view.flags.c_contiguous
+        ((2, 3), True)
+        >>> pool.give(base)
+    """
+
+    #: Smallest size class; smaller requests share it.
+    MIN_BYTES = 4096
+    #: Buffers kept per size class.
+    PER_CLASS = 4
+
+    def __init__(self, max_bytes: int = 256 * 1024 * 1024) -> None:
+        self._max_bytes = max_bytes
+        self._cached = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(base, view)``: a pooled byte buffer and a C-contiguous view of it."""
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * dtype.itemsize
+        klass = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        base = None
+        with self._lock:
+            free = self._free.get(klass)
+            if free:
+                base = free.pop()
+                self._cached -= klass
+        if base is None:
+            base = np.empty(klass, dtype=np.uint8)
+        view = base[:nbytes].view(dtype).reshape(shape)
+        return base, view
+
+    def give(self, base: np.ndarray) -> None:
+        """Return a buffer from :meth:`take` for reuse (dropped when the pool is full)."""
+        klass = base.nbytes
+        with self._lock:
+            free = self._free.setdefault(klass, [])
+            if len(free) < self.PER_CLASS and self._cached + klass <= self._max_bytes:
+                free.append(base)
+                self._cached += klass

@@ -1,0 +1,464 @@
+"""How each collective lowers onto a communicator's flat buffers.
+
+Each function checks its arguments, takes the input snapshot (which is also the layout
+transform), allocates the result, and returns ``(body, fingerprint)``: ``body`` does the
+communication and finishing touches when the progress engine runs it; ``fingerprint``
+describes the call for debug checks (None for point-to-point). Nothing here does I/O, so
+every argument error is raised before any byte leaves the process.
+
+Allocations: the result array is fresh (it belongs to the caller) and, where it can, is the
+very buffer the communicator writes (``all_reduce``, ``broadcast``, ``reduce`` on root,
+``reduce_scatter``, ``scatter``, ``gather``, ``all_gather`` at axis 0). Send-side
+snapshots that never escape come from the world's :class:`~meshcomm._arrays.ScratchPool`.
+
+Example:
+    >>> from meshcomm.backends.local import SelfCommunicator
+    >>> from meshcomm._arrays import ScratchPool
+    >>> call = Call(SelfCommunicator(), ScratchPool(), "all_reduce: rank 0")
+    >>> body, fingerprint = all_reduce(call, [1.0, 2.0], "avg", None)
+    >>> body(), fingerprint["reduce"]
+    (array([1., 2.]), <ReduceOp.AVG: 'avg'>)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshcomm._arrays import (
+    ScratchPool,
+    as_array,
+    blocks_view,
+    check_dtype,
+    copy_into,
+    dtype_name,
+    normalize_shape,
+    unstack,
+)
+from meshcomm.backends.base import Communicator
+from meshcomm.errors import InvalidArgument
+from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
+
+__all__ = [
+    "Call",
+    "Lowered",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "gather",
+    "int64_arg",
+    "permute",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "send",
+]
+
+#: What a lowering returns: the body to run in order, and the debug fingerprint fields.
+Lowered = tuple[Callable[[], Any], dict[str, Any] | None]
+
+_COMPOSED = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call being lowered: the communicator, the world's scratch pool, and ``where``.
+
+    ``where`` prefixes every error message, e.g. ``"all_reduce: rank 3 in group 'world'
+    (size 4)"``.
+    """
+
+    comm: Communicator
+    pool: ScratchPool
+    where: str
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- argument checks -----------------------------------------------------------------------
+def int_arg(where: str, value: Any, name: str) -> int:
+    """Return ``value`` as an int (bool is refused), or raise TypeError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}") from None
+
+
+def int64_arg(where: str, value: Any, name: str) -> int:
+    """Return ``value`` as an int that fits int64 (split colors and keys)."""
+    v = int_arg(where, value, name)
+    if not -(2**63) <= v < 2**63:
+        raise InvalidArgument(f"{where}: {name} must fit in int64, got {value!r}")
+    return v
+
+
+def rank_arg(c: Call, value: Any, name: str) -> int:
+    """Return a group rank (root, dst, src) in ``[0, size)``."""
+    r = int_arg(c.where, value, name)
+    if not 0 <= r < c.size:
+        raise InvalidArgument(f"{c.where}: {name} must be in [0, {c.size}), got {value!r}")
+    return r
+
+
+def _axis(where: str, axis: Any, ndim: int, name: str) -> int:
+    a = int_arg(where, axis, name)
+    if not -ndim <= a < ndim:
+        raise InvalidArgument(
+            f"{where}: {name}={axis} is out of range for {ndim} axes (valid: {-ndim}..{ndim - 1})"
+        )
+    return a % ndim
+
+
+def _tag(where: str, tag: Any) -> int:
+    t = int_arg(where, tag, "tag")
+    if not 0 <= t < 2**31:
+        raise InvalidArgument(f"{where}: tag must be in [0, 2**31), got {tag!r}")
+    return t
+
+
+def _input(c: Call, x: Any) -> tuple[np.ndarray, np.dtype]:
+    arr = as_array(x, c.where)
+    return arr, check_dtype(arr.dtype, c.where)
+
+
+def _reduce_op(c: Call, op: Any, dtype: np.dtype, factor: Any) -> tuple[ReduceOp, Any]:
+    """Parse ``op``, check it against ``dtype``, and return ``factor`` in ``dtype``."""
+    try:
+        rop = parse_op(op)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{c.where}: {exc}") from None
+    try:
+        check_op_dtype(rop, dtype)
+    except TypeError as exc:
+        raise TypeError(f"{c.where}: {exc}") from None
+    if rop is not ReduceOp.PREMUL_SUM:
+        if factor is not None:
+            raise InvalidArgument(
+                f"{c.where}: factor= is only for 'premul_sum', not for {rop.value!r}"
+            )
+        return rop, None
+    if factor is None:
+        raise InvalidArgument(f"{c.where}: 'premul_sum' needs factor=")
+    f = np.asarray(factor)
+    if f.ndim != 0 or f.dtype.kind not in "biufc":
+        raise InvalidArgument(f"{c.where}: factor must be a number, got {factor!r}")
+    if f.dtype.kind == "c" and dtype.kind != "c":
+        raise TypeError(f"{c.where}: complex factor {factor!r} for {dtype_name(dtype)} data")
+    return rop, f.astype(dtype)
+
+
+def _spec(c: Call, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if shape is None or dtype is None:
+        raise InvalidArgument(
+            f"{c.where}: pass an array, or shape= and dtype= (got shape={shape!r}, dtype={dtype!r})"
+        )
+    return normalize_shape(shape, c.where), check_dtype(dtype, c.where)
+
+
+def _agree(c: Call, arr_shape: tuple[int, ...], dt: np.dtype, shape: Any, dtype: Any) -> None:
+    if shape is not None and normalize_shape(shape, c.where) != arr_shape:
+        raise InvalidArgument(f"{c.where}: shape={shape!r} disagrees with the array's {arr_shape}")
+    if dtype is not None and check_dtype(dtype, c.where) != dt:
+        raise InvalidArgument(
+            f"{c.where}: dtype={dtype!r} disagrees with the array's {dtype_name(dt)}"
+        )
+
+
+def _blocks(
+    c: Call, arr: np.ndarray, axis: Any, tiled: bool, name: str
+) -> tuple[int, tuple[int, ...]]:
+    """Check ``arr`` splits into ``size`` blocks along ``axis``; return it and the block shape."""
+    if arr.ndim == 0:
+        raise InvalidArgument(f"{c.where}: needs an array with at least 1 axis, got a 0-d array")
+    ax = _axis(c.where, axis, arr.ndim, name)
+    n = arr.shape[ax]
+    if not tiled and n != c.size:
+        raise InvalidArgument(
+            f"{c.where}: not tiled, x.shape[{name}={ax}] must equal the group size {c.size}, "
+            f"got {n} (x.shape={arr.shape})"
+        )
+    if tiled and n % c.size:
+        raise InvalidArgument(
+            f"{c.where}: tiled, x.shape[{name}={ax}] must be divisible by the group size "
+            f"{c.size}, got {n} (x.shape={arr.shape})"
+        )
+    block = arr.shape[:ax] + ((n // c.size,) if tiled else ()) + arr.shape[ax + 1 :]
+    return ax, block
+
+
+def _perm(c: Call, perm: Any) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise InvalidArgument(
+            f"{c.where}: perm must be a sequence of (src, dst) int pairs, got {perm!r}"
+        ) from None
+    sources: set[int] = set()
+    dests: set[int] = set()
+    for s, d in pairs:
+        for name, v in (("source", s), ("destination", d)):
+            if not 0 <= v < c.size:
+                raise InvalidArgument(f"{c.where}: perm {name} {v} is out of range [0, {c.size})")
+        if s in sources:
+            raise InvalidArgument(f"{c.where}: rank {s} appears twice as a source in {perm!r}")
+        if d in dests:
+            raise InvalidArgument(f"{c.where}: rank {d} appears twice as a destination in {perm!r}")
+        sources.add(s)
+        dests.add(d)
+    return pairs
+
+
+# -- collectives ---------------------------------------------------------------------------
+def all_reduce(c: Call, x: Any, op: Any, factor: Any) -> Lowered:
+    arr, dt = _input(c, x)
+    rop, f = _reduce_op(c, op, dt, factor)
+    buf = copy_into(np.empty(arr.size, dtype=dt), arr)  # the snapshot becomes the result
+    if f is not None:
+        np.multiply(buf, f, out=buf)
+    prim = ReduceOp.SUM if rop in _COMPOSED else rop
+    comm, size, shape = c.comm, c.size, arr.shape
+
+    def body() -> np.ndarray:
+        comm.all_reduce(buf, prim)
+        if rop is ReduceOp.AVG:
+            np.true_divide(buf, size, out=buf)
+        return buf.reshape(shape)
+
+    return body, {"dtype": dt, "shape": shape, "reduce": rop}
+
+
+def all_gather(c: Call, x: Any, axis: Any, tiled: bool) -> Lowered:
+    arr, dt = _input(c, x)
+    if tiled and arr.ndim == 0:
+        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
+    ax = _axis(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
+    comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
+    base, send = pool.take(dt, (arr.size,))
+    copy_into(send, arr)
+    recv = np.empty(size * arr.size, dtype=dt)
+
+    def body() -> np.ndarray:
+        comm.all_gather(send, recv)
+        pool.give(base)
+        return unstack(recv, shape, ax, size, bool(tiled))
+
+    return body, {"dtype": dt, "shape": shape, "axis": ax, "tiled": bool(tiled)}
+
+
+def reduce_scatter(c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any) -> Lowered:
+    arr, dt = _input(c, x)
+    rop, f = _reduce_op(c, op, dt, factor)
+    ax, block = _blocks(c, arr, axis, tiled, "axis")
+    comm, pool, size = c.comm, c.pool, c.size
+    # Block r (this rank's share) is contiguous in the snapshot and comes back in the
+    # result's own layout, so nothing is copied after the communication.
+    view = blocks_view(arr, ax, size, tiled)
+    base, send = pool.take(dt, view.shape)
+    copy_into(send, view)
+    if f is not None:
+        np.multiply(send, f, out=send)
+    recv = np.empty(_prod(block), dtype=dt)
+    prim = ReduceOp.SUM if rop in _COMPOSED else rop
+
+    def body() -> np.ndarray:
+        comm.reduce_scatter(send.reshape(-1), recv, prim)
+        pool.give(base)
+        if rop is ReduceOp.AVG:
+            np.true_divide(recv, size, out=recv)
+        return recv.reshape(block)
+
+    fp = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
+    return body, fp
+
+
+def all_to_all(c: Call, x: Any, split_axis: Any, concat_axis: Any, tiled: bool) -> Lowered:
+    arr, dt = _input(c, x)
+    split, block = _blocks(c, arr, split_axis, tiled, "split_axis")
+    concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
+    comm, pool, size = c.comm, c.pool, c.size
+    view = blocks_view(arr, split, size, tiled)
+    base, send = pool.take(dt, view.shape)
+    copy_into(send, view)
+    recv = np.empty(size * _prod(block), dtype=dt)
+
+    def body() -> np.ndarray:
+        comm.all_to_all(send.reshape(-1), recv)
+        pool.give(base)
+        return unstack(recv, block, concat, size, bool(tiled))
+
+    fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
+    return body, fp
+
+
+def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
+    r = rank_arg(c, root, "root")
+    buf: np.ndarray | None = None
+    if x is not None:
+        arr, dt = _input(c, x)
+        _agree(c, arr.shape, dt, shape, dtype)
+        out_shape = arr.shape
+        if r == c.rank:
+            buf = copy_into(np.empty(arr.size, dtype=dt), arr)
+    elif r == c.rank:
+        raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
+    else:
+        out_shape, dt = _spec(c, shape, dtype)
+    result = np.empty(_prod(out_shape), dtype=dt) if buf is None else buf
+    comm = c.comm
+
+    def body() -> np.ndarray:
+        comm.broadcast(result, r)
+        return result.reshape(out_shape)
+
+    return body, {"dtype": dt, "shape": out_shape, "root": r}
+
+
+def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
+    r = rank_arg(c, root, "root")
+    arr, dt = _input(c, x)
+    rop, f = _reduce_op(c, op, dt, factor)
+    comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
+    base: np.ndarray | None = None
+    if r == c.rank:
+        buf = np.empty(arr.size, dtype=dt)
+    else:  # clobbered and not returned off root: scratch will do
+        base, buf = pool.take(dt, (arr.size,))
+    copy_into(buf, arr)
+    if f is not None:
+        np.multiply(buf, f, out=buf)
+    prim = ReduceOp.SUM if rop in _COMPOSED else rop
+
+    def body() -> np.ndarray | None:
+        comm.reduce(buf, r, prim)
+        if base is not None:
+            pool.give(base)
+            return None
+        if rop is ReduceOp.AVG:
+            np.true_divide(buf, size, out=buf)
+        return buf.reshape(shape)
+
+    return body, {"dtype": dt, "shape": shape, "root": r, "reduce": rop}
+
+
+def gather(c: Call, x: Any, root: Any) -> Lowered:
+    r = rank_arg(c, root, "root")
+    arr, dt = _input(c, x)
+    comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
+    base, send = pool.take(dt, (arr.size,))
+    copy_into(send, arr)
+    recv = np.empty(size * arr.size, dtype=dt) if r == c.rank else None
+
+    def body() -> np.ndarray | None:
+        comm.gather(send, recv, r)
+        pool.give(base)
+        return None if recv is None else recv.reshape((size, *shape))
+
+    return body, {"dtype": dt, "shape": shape, "root": r}
+
+
+def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
+    r = rank_arg(c, root, "root")
+    comm, pool = c.comm, c.pool
+    base: np.ndarray | None = None
+    send: np.ndarray | None = None
+    if x is not None:
+        arr, dt = _input(c, x)
+        if arr.ndim == 0 or arr.shape[0] != c.size:
+            raise InvalidArgument(
+                f"{c.where}: x must have shape (group size {c.size}, ...), got {arr.shape}"
+            )
+        block = arr.shape[1:]
+        _agree(c, block, dt, shape, dtype)
+        if r == c.rank:
+            base, send = pool.take(dt, arr.shape)
+            copy_into(send, arr)
+    elif r == c.rank:
+        raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
+    else:
+        block, dt = _spec(c, shape, dtype)
+    recv = np.empty(_prod(block), dtype=dt)
+
+    def body() -> np.ndarray:
+        comm.scatter(None if send is None else send.reshape(-1), recv, r)
+        if base is not None:
+            pool.give(base)
+        return recv.reshape(block)
+
+    return body, {"dtype": dt, "shape": block, "root": r}
+
+
+def permute(c: Call, x: Any, perm: Any) -> Lowered:
+    pairs = _perm(c, perm)
+    arr, dt = _input(c, x)
+    dst = next((d for s, d in pairs if s == c.rank), None)
+    src = next((s for s, d in pairs if d == c.rank), None)
+    comm, pool, shape = c.comm, c.pool, arr.shape
+    base: np.ndarray | None = None
+    send = np.empty(0, dtype=dt)
+    if dst is not None:
+        base, send = pool.take(dt, (arr.size,))
+        copy_into(send, arr)
+    # As jax.lax.ppermute: a rank nobody sends to gets zeros.
+    recv = np.zeros(arr.size, dtype=dt) if src is None else np.empty(arr.size, dtype=dt)
+
+    def body() -> np.ndarray:
+        comm.permute(send, dst, recv, src)
+        if base is not None:
+            pool.give(base)
+        return recv.reshape(shape)
+
+    return body, {"dtype": dt, "shape": shape, "args": pairs}
+
+
+def barrier(c: Call) -> Lowered:
+    return c.comm.barrier, {}
+
+
+# -- point to point ------------------------------------------------------------------------
+def send(c: Call, x: Any, dst: Any, tag: Any) -> Lowered:
+    d = rank_arg(c, dst, "dst")
+    t = _tag(c.where, tag)
+    arr, dt = _input(c, x)
+    comm, pool = c.comm, c.pool
+    base, buf = pool.take(dt, arr.shape)
+    copy_into(buf, arr)
+
+    def body() -> None:
+        comm.send(buf, d, t)
+        pool.give(base)
+
+    return body, None
+
+
+def recv(c: Call, src: Any, tag: Any, return_source: bool) -> Lowered:
+    s = None if src is None else rank_arg(c, src, "src")
+    t = _tag(c.where, tag)
+    comm = c.comm
+
+    def body() -> Any:
+        arr, source = comm.recv(s, t)
+        return (arr, source) if return_source else arr
+
+    return body, None

@@ -1,0 +1,740 @@
+"""Process groups: functional collectives over a set of ranks.
+
+A :class:`ProcessGroup` wraps one communicator (flat buffers, primitive reductions) and
+adds everything above it, once for every backend: array conversion, ``axis`` / ``tiled``
+layouts (JAX semantics), ``avg`` and ``premul_sum``, argument checks before any I/O, op
+sequence numbers, debug fingerprints, asynchronous :class:`~meshcomm.work.Work`, sub-groups
+(:meth:`ProcessGroup.split`, :func:`new_group`), and fail-fast after a communication error.
+How each collective maps onto the communicator's buffers is in :mod:`meshcomm._lower`.
+
+Every collective is functional: it returns new arrays (C-contiguous, native byte order)
+and never modifies its inputs. The input is copied once when the call is issued (so an
+async caller may reuse it at once); that copy is also the layout transform the
+communicator needs. Allocations per call: the result (fresh, as it belongs to the caller;
+the communicator writes straight into it wherever the layout allows) and, for operations
+whose send side differs from the result, a send snapshot from a per-world scratch pool
+that is reused from call to call. ``all_gather`` / ``all_to_all`` at an axis that forces
+a transpose copy the result once more.
+
+Return types: each collective returns an array (or None, as documented), or a
+:class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
+methods are annotated ``Any`` for that reason.
+
+Order and threads: all groups of one world share a progress engine that runs operations
+one at a time, in issue order. A synchronous call that finds nothing queued runs inline on
+the caller's thread. After a communication error the world fails fast: every later
+operation on any of its groups raises :class:`~meshcomm.errors.CommError` naming it.
+
+Debugging: with ``MESHCOMM_DEBUG=DETAIL`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) when a
+group is created, every collective first all-gathers a fingerprint of the call (see
+:mod:`meshcomm._fingerprint`); if the ranks disagree, every rank raises CommError naming
+the disagreeing ranks and both calls.
+
+Example:
+    >>> from meshcomm.backends.local import SelfCommunicator
+    >>> g = ProcessGroup(SelfCommunicator(), name="world")
+    >>> g.all_reduce(np.arange(3.0), "avg")
+    array([0., 1., 2.])
+    >>> g.all_gather(np.arange(3), axis=0).shape
+    (1, 3)
+    >>> g.close()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from meshcomm import _fingerprint, _lower
+from meshcomm._fingerprint import DEBUG_ENV_VARS
+from meshcomm.backends.base import Communicator
+from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
+from meshcomm.errors import CommError, InvalidArgument
+from meshcomm.reduction import ReduceOp
+from meshcomm.store.base import Store
+from meshcomm.work import ProgressEngine, Work
+
+__all__ = ["DEBUG_ENV_VARS", "ProcessGroup", "Work", "new_group"]
+
+ArrayLike = npt.ArrayLike
+OpLike = str | ReduceOp
+
+
+def _debug_from_env() -> bool:
+    return any(os.environ.get(k, "").strip().upper() == "DETAIL" for k in DEBUG_ENV_VARS)
+
+
+class ProcessGroup:
+    """A group of ranks with functional collectives (JAX semantics, torch names).
+
+    Args:
+        comm: the communicator this group lowers onto (the group takes ownership).
+        store: the world's key-value store, if any (exposed as ``.store``).
+        name: used in error messages; the world is ``"world"``, sub-groups get
+            ``"<parent>/split<n>:<color>"`` or ``"<parent>/group<n>"``.
+        debug: check collective fingerprints before each collective; None reads
+            ``MESHCOMM_DEBUG`` / ``TORCH_DISTRIBUTED_DEBUG`` (``DETAIL``) now. Sub-groups
+            inherit their parent's setting.
+
+    Attributes:
+        store: the store given at creation (sub-groups share their parent's).
+        name: the group's name.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> g = ProcessGroup(SelfCommunicator(), name="world")
+        >>> g.rank, g.size, g.ranks, g.backend
+        (0, 1, (0,), 'self')
+        >>> g.close()
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        store: Store | None = None,
+        name: str = "world",
+        *,
+        debug: bool | None = None,
+        _parent: ProcessGroup | None = None,
+    ) -> None:
+        self._comm = comm
+        self.store = store
+        self.name = name
+        me = comm.global_ranks[comm.rank]
+        self._where = f"rank {me} in group {name!r} (size {comm.size})"
+        if _parent is None:
+            self._engine = ProgressEngine(f"rank {me} in world {name!r}")
+            self._debug = _debug_from_env() if debug is None else bool(debug)
+        else:
+            self._engine = _parent._engine
+            self._debug = _parent._debug if debug is None else bool(debug)
+        self._owns_engine = _parent is None
+        self._seq = 0
+        self._children = 0
+        self._closed = False
+
+    # -- identity ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._comm.rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the group."""
+        return self._comm.size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global (world) rank of each group rank."""
+        return self._comm.global_ranks
+
+    @property
+    def backend(self) -> str:
+        """The communicator's backend name: "tcp", "mpi", "nccl" or "self"."""
+        return self._comm.backend_name
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking operation waits for a peer."""
+        return self._comm.timeout
+
+    @property
+    def debug(self) -> bool:
+        """True if collectives check fingerprints first (``MESHCOMM_DEBUG=DETAIL``)."""
+        return self._debug
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def seq(self) -> int:
+        """The number of collectives issued on this group so far (the op sequence number)."""
+        return self._seq
+
+    def global_rank(self, group_rank: int) -> int:
+        """Return the world rank of ``group_rank``.
+
+        Raises:
+            InvalidArgument: ``group_rank`` is not in ``[0, size)``.
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator()).global_rank(0)
+            0
+        """
+        where = f"global_rank: {self._where}"
+        return self.ranks[_lower.rank_arg(self._call(where), group_rank, "group_rank")]
+
+    def group_rank(self, global_rank: int) -> int:
+        """Return the group rank of world rank ``global_rank``.
+
+        Raises:
+            InvalidArgument: ``global_rank`` is not a member of this group.
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator()).group_rank(0)
+            0
+        """
+        g = _lower.int_arg(f"group_rank: {self._where}", global_rank, "global_rank")
+        if g not in self.ranks:
+            raise InvalidArgument(
+                f"group_rank: {self._where}: global rank {g} is not a member; members are "
+                f"{list(self.ranks)}"
+            )
+        return self.ranks.index(g)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (
+            f"<ProcessGroup {self.name!r} rank={self.rank} size={self.size} "
+            f"backend={self.backend!r}{state}>"
+        )
+
+    # -- issuing -------------------------------------------------------------------------
+    def _call(self, where: str) -> _lower.Call:
+        return _lower.Call(self._comm, self._engine.pool, where)
+
+    def _enter(self, op: str) -> _lower.Call:
+        """Refuse a closed or failed group; return the call context for lowering ``op``."""
+        if self._closed:
+            raise CommError(f"{op}: {self._where}: the group was closed")
+        self._engine.check(f"{op} on {self._where}")
+        return self._call(f"{op}: {self._where}")
+
+    def _issue(self, op: str, lowered: _lower.Lowered, async_op: bool) -> Any:
+        """Run a lowered call in the world's order (after a fingerprint check in debug mode)."""
+        body, fields = lowered
+        if fields is None:  # point to point: no sequence number, no fingerprint
+            return self._engine.submit(body, f"{op} on {self._where}", bool(async_op))
+        self._seq += 1
+        label = f"{op} (op #{self._seq}) on {self._where}"
+        if self._debug:
+            row = _fingerprint.encode(op, self._seq, **fields)
+            comm, ranks, unchecked = self._comm, self.ranks, body
+
+            def body() -> Any:
+                _fingerprint.check(comm, row, ranks, label)
+                return unchecked()
+
+        return self._engine.submit(body, label, bool(async_op))
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(
+        self, x: ArrayLike, op: OpLike = "sum", *, factor: Any = None, async_op: bool = False
+    ) -> Any:
+        """Reduce ``x`` across the group; every rank gets the result (``jax.lax.psum`` & co).
+
+        Args:
+            x: an array (or anything ``np.asarray`` accepts); same shape and dtype on all ranks.
+            op: "sum", "prod", "min", "max", "avg" (sum, then divide by ``size``),
+                "band", "bor", "bxor", or "premul_sum" (multiply by ``factor``, then sum).
+                avg and premul_sum compute in ``x``'s dtype.
+            factor: the scalar of "premul_sum" (only there).
+            async_op: return a :class:`~meshcomm.work.Work` instead of the result.
+
+        Returns:
+            A new array with ``x``'s shape and dtype.
+
+        Raises:
+            InvalidArgument: unknown op, or factor missing / misplaced.
+            TypeError: the op is undefined for the dtype (complex min, float band, int avg),
+                or the dtype is unsupported.
+            CommError: communication failed (or had failed before in this world).
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.all_reduce([1.0, 2.0], "premul_sum", factor=3.0)
+            array([3., 6.])
+        """
+        c = self._enter("all_reduce")
+        return self._issue("all_reduce", _lower.all_reduce(c, x, op, factor), async_op)
+
+    def all_gather(
+        self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
+    ) -> Any:
+        """Gather every rank's ``x`` (``jax.lax.all_gather``).
+
+        Args:
+            x: an array; same shape and dtype on all ranks.
+            axis: not tiled: where the new rank axis goes (``-(ndim+1)..ndim``); tiled: the
+                axis along which the pieces are concatenated (``-ndim..ndim-1``).
+            tiled: concatenate instead of stacking.
+            async_op: return a Work.
+
+        Returns:
+            Not tiled: shape ``x.shape`` with ``size`` inserted at ``axis``; tiled:
+            ``x.shape`` with ``x.shape[axis] * size`` at ``axis``. Entry ``r`` along ``axis``
+            comes from group rank ``r``.
+
+        Raises:
+            InvalidArgument: axis out of range (or tiled with a 0-d ``x``).
+            TypeError: unsupported dtype.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> x = np.ones((2, 3))
+            >>> g.all_gather(x, axis=1).shape, g.all_gather(x, axis=1, tiled=True).shape
+            ((2, 1, 3), (2, 3))
+        """
+        c = self._enter("all_gather")
+        return self._issue("all_gather", _lower.all_gather(c, x, axis, tiled), async_op)
+
+    def reduce_scatter(
+        self,
+        x: ArrayLike,
+        op: OpLike = "sum",
+        axis: int = 0,
+        tiled: bool = False,
+        *,
+        factor: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce ``x`` across ranks, scattering the result along ``axis`` (``psum_scatter``).
+
+        Args:
+            x: an array; same shape and dtype on all ranks.
+            op: a reduce op, as for :meth:`all_reduce`.
+            axis: the scatter axis (JAX's ``scatter_dimension``).
+            tiled: not tiled: ``x.shape[axis]`` must equal ``size`` and rank ``r`` gets
+                index ``r`` (the axis is removed); tiled: ``x.shape[axis]`` must be divisible
+                by ``size`` and rank ``r`` gets the ``r``-th chunk (the axis shrinks).
+            factor: the scalar of "premul_sum".
+            async_op: return a Work.
+
+        Returns:
+            This rank's block of the reduction, a new array.
+
+        Raises:
+            InvalidArgument: bad axis, indivisible shape, unknown op.
+            TypeError: op undefined for the dtype, unsupported dtype.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.reduce_scatter(np.arange(4.0).reshape(1, 4), axis=0)
+            array([0., 1., 2., 3.])
+        """
+        c = self._enter("reduce_scatter")
+        lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor)
+        return self._issue("reduce_scatter", lowered, async_op)
+
+    def all_to_all(
+        self,
+        x: ArrayLike,
+        split_axis: int = 0,
+        concat_axis: int = 0,
+        tiled: bool = False,
+        *,
+        async_op: bool = False,
+    ) -> Any:
+        """Send block ``j`` along ``split_axis`` to rank ``j`` (``jax.lax.all_to_all``).
+
+        Args:
+            x: an array; same shape and dtype on all ranks.
+            split_axis: the axis cut into ``size`` blocks.
+            concat_axis: where the received blocks are put together.
+            tiled: not tiled: ``x.shape[split_axis]`` must equal ``size``; that axis is
+                removed and a new axis of length ``size`` (indexed by source rank) is inserted
+                at ``concat_axis`` (a position in the result). Tiled: ``x.shape[split_axis]``
+                must be divisible by ``size``; it shrinks by ``size`` and the received chunks
+                are concatenated along ``concat_axis``, which grows by ``size``.
+            async_op: return a Work.
+
+        Returns:
+            A new array: ``out.take(i, concat_axis)`` (not tiled) is rank ``i``'s
+            ``x.take(rank, split_axis)``.
+
+        Raises:
+            InvalidArgument: bad axes, indivisible shape.
+            TypeError: unsupported dtype.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.all_to_all(np.arange(6).reshape(1, 6), split_axis=0, concat_axis=1).shape
+            (6, 1)
+        """
+        c = self._enter("all_to_all")
+        lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled)
+        return self._issue("all_to_all", lowered, async_op)
+
+    def broadcast(
+        self,
+        x: ArrayLike | None,
+        root: int = 0,
+        *,
+        shape: Any = None,
+        dtype: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Return root's ``x`` on every rank.
+
+        Args:
+            x: the array on root; elsewhere an array of the same shape and dtype (its values
+                are ignored) or None with ``shape=`` and ``dtype=``.
+            root: the group rank that sends.
+            shape: the array's shape, needed off root when ``x`` is None.
+            dtype: the array's dtype, needed off root when ``x`` is None.
+            async_op: return a Work.
+
+        Returns:
+            A new array equal to root's ``x``.
+
+        Raises:
+            InvalidArgument: root out of range, ``x`` missing on root, shape/dtype missing or
+                disagreeing with ``x``.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.broadcast(np.arange(3), root=0)
+            array([0, 1, 2])
+        """
+        c = self._enter("broadcast")
+        return self._issue("broadcast", _lower.broadcast(c, x, root, shape, dtype), async_op)
+
+    def reduce(
+        self,
+        x: ArrayLike,
+        root: int = 0,
+        op: OpLike = "sum",
+        *,
+        factor: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce ``x`` onto ``root``.
+
+        Args:
+            x: an array; same shape and dtype on all ranks.
+            root: the group rank that gets the result.
+            op: a reduce op, as for :meth:`all_reduce`.
+            factor: the scalar of "premul_sum".
+            async_op: return a Work.
+
+        Returns:
+            The reduction (a new array) on root; None on the other ranks.
+
+        Raises:
+            InvalidArgument: root out of range, unknown op.
+            TypeError: op undefined for the dtype, unsupported dtype.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.reduce(np.array([3, 1]), root=0, op="max")
+            array([3, 1])
+        """
+        c = self._enter("reduce")
+        return self._issue("reduce", _lower.reduce(c, x, root, op, factor), async_op)
+
+    def gather(self, x: ArrayLike, root: int = 0, *, async_op: bool = False) -> Any:
+        """Stack every rank's ``x`` on ``root``.
+
+        Args:
+            x: an array; same shape and dtype on all ranks.
+            root: the group rank that gets the result.
+            async_op: return a Work.
+
+        Returns:
+            On root a new array of shape ``(size, *x.shape)`` whose entry ``r`` is rank
+            ``r``'s ``x``; None on the other ranks.
+
+        Raises:
+            InvalidArgument: root out of range.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.gather(np.arange(2), root=0)
+            array([[0, 1]])
+        """
+        c = self._enter("gather")
+        return self._issue("gather", _lower.gather(c, x, root), async_op)
+
+    def scatter(
+        self,
+        x: ArrayLike | None,
+        root: int = 0,
+        *,
+        shape: Any = None,
+        dtype: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Give rank ``r`` entry ``r`` of root's stacked ``x``.
+
+        Args:
+            x: on root, an array of shape ``(size, *shape)``; elsewhere None (then pass
+                ``shape=`` and ``dtype=``, the shape of one entry) or an array of the same
+                stacked shape and dtype (its values are ignored).
+            root: the group rank that sends.
+            shape: the shape of one entry (without the leading ``size``).
+            dtype: the dtype.
+            async_op: return a Work.
+
+        Returns:
+            A new array: root's ``x[rank]``.
+
+        Raises:
+            InvalidArgument: root out of range, ``x.shape[0] != size``, shape/dtype missing
+                or disagreeing with ``x``.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.scatter(np.array([[1, 2]]), root=0)
+            array([1, 2])
+        """
+        c = self._enter("scatter")
+        return self._issue("scatter", _lower.scatter(c, x, root, shape, dtype), async_op)
+
+    def permute(
+        self, x: ArrayLike, perm: Sequence[tuple[int, int]], *, async_op: bool = False
+    ) -> Any:
+        """Send ``x`` along ``(src, dst)`` pairs (``jax.lax.ppermute``).
+
+        Args:
+            x: an array; same shape and dtype on all ranks.
+            perm: ``(src, dst)`` group-rank pairs; no rank appears twice as a source or twice
+                as a destination. Every rank passes the same ``perm``.
+            async_op: return a Work.
+
+        Returns:
+            A new array: the ``x`` of the rank that sends here, or zeros if none does.
+
+        Raises:
+            InvalidArgument: a rank out of range, a duplicate source or destination.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.permute(np.array([1, 2]), [(0, 0)]), g.permute(np.array([1, 2]), [])
+            (array([1, 2]), array([0, 0]))
+        """
+        c = self._enter("permute")
+        return self._issue("permute", _lower.permute(c, x, perm), async_op)
+
+    def barrier(self, *, async_op: bool = False) -> Any:
+        """Return once every rank of the group has entered the barrier.
+
+        Args:
+            async_op: return a Work.
+
+        Raises:
+            CommError: communication failed.
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator()).barrier()
+        """
+        c = self._enter("barrier")
+        return self._issue("barrier", _lower.barrier(c), async_op)
+
+    # -- point to point ------------------------------------------------------------------
+    def send(self, x: ArrayLike, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """Send ``x`` (any shape; shape and dtype travel with it) to group rank ``dst``.
+
+        Args:
+            x: an array.
+            dst: the receiving group rank.
+            tag: a non-negative int matched by :meth:`recv`.
+            async_op: return a Work (``x`` is copied now, so it may be reused at once).
+
+        Raises:
+            InvalidArgument: dst or tag out of range.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.send(np.arange(3), dst=0, tag=7); g.recv(src=0, tag=7)
+            array([0, 1, 2])
+        """
+        c = self._enter("send")
+        return self._issue("send", _lower.send(c, x, dst, tag), async_op)
+
+    def recv(
+        self,
+        src: int | None = None,
+        tag: int = 0,
+        *,
+        return_source: bool = False,
+        async_op: bool = False,
+    ) -> Any:
+        """Receive an array sent with ``tag`` from group rank ``src`` (None: any rank).
+
+        Args:
+            src: the sending group rank, or None for any.
+            tag: the tag the sender used.
+            return_source: also return the sender's group rank.
+            async_op: return a Work.
+
+        Returns:
+            The received array (a new one, with the sender's shape and dtype), or
+            ``(array, src)`` with ``return_source=True``.
+
+        Raises:
+            InvalidArgument: src or tag out of range.
+            CommError: communication failed (CommTimeout when nothing arrives in time).
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.send(np.float32(2.5), dst=0); g.recv(return_source=True)
+            (array(2.5, dtype=float32), 0)
+        """
+        c = self._enter("recv")
+        return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
+
+    # -- sub-groups ----------------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None) -> ProcessGroup | None:
+        """Partition the group by ``color`` (``MPI_Comm_split``); collective over the group.
+
+        Args:
+            color: ranks passing the same int form one new group; None: this rank joins none.
+            key: orders the new group's ranks (ties broken by the current rank); default is
+                this rank's group rank, keeping the current order.
+
+        Returns:
+            The new group this rank belongs to, or None for ``color=None``.
+
+        Raises:
+            TypeError: color or key is not an int.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.split(color=0).ranks, g.split(color=None)
+            ((0,), None)
+        """
+        c = self._enter("split")
+        col = None if color is None else _lower.int64_arg(c.where, color, "color")
+        k = self.rank if key is None else _lower.int64_arg(c.where, key, "key")
+        self._children += 1
+        name = f"{self.name}/split{self._children}:{col}"
+        comm, size = self._comm, self.size
+
+        def body() -> ProcessGroup | None:
+            mine = np.array([0 if col is None else 1, col or 0, k], dtype=np.int64)
+            table = np.empty(3 * size, dtype=np.int64)
+            comm.all_gather(mine, table)
+            if col is None:
+                return None
+            rows = table.reshape(size, 3)
+            order = sorted(
+                (int(rows[r, 2]), r) for r in range(size) if rows[r, 0] and rows[r, 1] == col
+            )
+            return self._child(comm.sub([r for _, r in order]), name)
+
+        return self._issue("split", (body, {}), False)
+
+    def new_group(self, ranks: Iterable[int] | None = None) -> ProcessGroup | None:
+        """Make a sub-group of the given global ranks; called by every rank of this group.
+
+        As ``torch.distributed.new_group``: the members are ordered by global rank.
+
+        Args:
+            ranks: global ranks, all members of this group; None: all of them.
+
+        Returns:
+            The new group on its members; None on the other ranks.
+
+        Raises:
+            InvalidArgument: a rank that is not a member, a duplicate, or no ranks.
+            CommError: communication failed.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.new_group([0]).ranks
+            (0,)
+        """
+        c = self._enter("new_group")
+        if ranks is None:
+            chosen = list(self.ranks)
+        else:
+            chosen = [_lower.int_arg(c.where, r, "rank") for r in ranks]
+        if not chosen:
+            raise InvalidArgument(f"{c.where}: new_group needs at least one rank, got none")
+        if len(set(chosen)) != len(chosen):
+            raise InvalidArgument(f"{c.where}: duplicate ranks in {chosen}")
+        outside = [r for r in chosen if r not in self.ranks]
+        if outside:
+            raise InvalidArgument(
+                f"{c.where}: ranks {outside} are not members of the group (members: "
+                f"{list(self.ranks)})"
+            )
+        members = sorted(self.ranks.index(r) for r in chosen)
+        self._children += 1
+        name = f"{self.name}/group{self._children}"
+        comm, me = self._comm, self.rank
+
+        def body() -> ProcessGroup | None:
+            if me not in members:
+                return None
+            return self._child(comm.sub(members), name)
+
+        fields = {"args": tuple(sorted(chosen))}
+        return self._issue("new_group", (body, fields), False)
+
+    def _child(self, comm: Communicator, name: str) -> ProcessGroup:
+        return ProcessGroup(comm, store=self.store, name=name, _parent=self)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the group's communicator once queued operations have run. Idempotent.
+
+        Closing the world group also closes the world's engine: its sub-groups refuse to
+        run afterwards. Any later operation on a closed group raises CommError.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> g.close(); g.closed
+            True
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_engine:
+            self._engine.close(f"the world group {self.name!r} was closed", self.timeout)
+            self._comm.close()
+            return
+        try:
+            self._engine.submit(self._comm.close, f"close on {self._where}", async_op=False)
+        except CommError:
+            self._comm.close()  # the world failed or closed: release what we hold anyway
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def new_group(
+    ranks: Iterable[int] | None = None, group: ProcessGroup | None = None
+) -> ProcessGroup | None:
+    """Make a sub-group of ``group`` (default: the world) from global ``ranks``.
+
+    Called by every rank of ``group``, as ``torch.distributed.new_group``; see
+    :meth:`ProcessGroup.new_group`.
+
+    Returns:
+        The new group on its members, None elsewhere.
+
+    Raises:
+        RendezvousError: no ``group`` and meshcomm is not initialized.
+        InvalidArgument: bad ranks.
+
+    Example:
+        >>> g = ProcessGroup(SelfCommunicator())
+        >>> new_group([0], group=g).size
+        1
+    """
+    if group is None:
+        from meshcomm.world import get_world
+
+        group = get_world()
+    return group.new_group(ranks)

@@ -1,0 +1,258 @@
+"""Asynchronous operations: :class:`Work` handles and the per-world progress engine.
+
+Every operation of a world and of all its sub-groups runs through one
+:class:`ProgressEngine`, strictly in issue order, one at a time (a communicator is used by
+one thread at a time, and every rank must run collectives in the same order). A
+synchronous call that finds nothing queued runs inline on the caller's thread; anything
+else is queued for the engine's progress thread, which starts on first need.
+
+The engine also holds the world's fate: the first communication failure poisons it, and
+every later operation of the world (already queued, or issued later) raises
+:class:`~meshcomm.errors.CommError` at once, naming that first failure.
+
+Example:
+    >>> engine = ProgressEngine("rank 0 in world 'demo'")
+    >>> work = engine.submit(lambda: 41 + 1, "answer", async_op=True)
+    >>> work.wait(timeout=10)
+    42
+    >>> engine.close()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from meshcomm._arrays import ScratchPool
+from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.errors import CommError, CommTimeout
+
+__all__ = ["ProgressEngine", "Work"]
+
+T = TypeVar("T")
+
+
+class Work(Generic[T]):
+    """The handle of an operation issued with ``async_op=True``.
+
+    The operation's input was copied when it was issued, so the caller may reuse its
+    arrays at once. Results come back in issue order.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group import ProcessGroup
+        >>> g = ProcessGroup(SelfCommunicator(), name="world")
+        >>> work = g.all_reduce([1.0, 2.0], async_op=True)
+        >>> work.wait(timeout=10), work.is_completed(), work.exception()
+        (array([1., 2.]), True, None)
+        >>> g.close()
+    """
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        # Running from the start: cancel() then returns False, as an issued op cannot be
+        # taken back from the other ranks.
+        self._future.set_running_or_notify_cancel()
+
+    def wait(self, timeout: Timeout | None = None) -> T:
+        """Block until the operation finishes and return its result.
+
+        Args:
+            timeout: seconds or ``timedelta`` to wait; None waits until the operation ends,
+                which every operation does within its communicator's timeout once it runs.
+
+        Returns:
+            What the synchronous call would have returned.
+
+        Raises:
+            CommTimeout: not finished within ``timeout`` (the operation carries on).
+            Exception: whatever the operation raised.
+        """
+        seconds = None if timeout is None else to_seconds(timeout)
+        try:
+            return self._future.result(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            # On Python < 3.11 futures' TimeoutError is not the builtin one.
+            if self._future.done():
+                return self._future.result()
+            raise CommTimeout(f"{self._label}: not completed within {seconds} s") from None
+
+    result = wait
+
+    def is_completed(self) -> bool:
+        """Return True once the operation has finished (successfully or not)."""
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        """Return the exception the operation raised, or None (also while it still runs)."""
+        if not self._future.done():
+            return None
+        return self._future.exception()
+
+    def get_future(self) -> concurrent.futures.Future[T]:
+        """Return a ``concurrent.futures.Future`` that completes with the operation.
+
+        Callbacks added with ``add_done_callback`` run on the progress thread; they must not
+        wait on other operations of the same world.
+        """
+        return self._future
+
+    def __repr__(self) -> str:
+        state = "completed" if self._future.done() else "pending"
+        return f"<Work {self._label} {state}>"
+
+    # -- engine side ---------------------------------------------------------------------
+    def _finish(self, fn: Callable[[], T]) -> None:
+        try:
+            value = fn()
+        except BaseException as exc:
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(value)
+
+
+class ProgressEngine:
+    """Runs one world's operations in issue order, inline or on a progress thread.
+
+    Args:
+        where: names this rank and world in error messages (``"rank 2 in world 'world'"``).
+
+    Attributes:
+        pool: scratch buffers shared by the world's groups.
+    """
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Callable[[], Any], Work[Any]]] = deque()
+        self._busy = False
+        self._stop = False
+        self._closed_reason: str | None = None
+        self._failure: BaseException | None = None
+        self._failure_label = ""
+        self._thread: threading.Thread | None = None
+        self.pool = ScratchPool()
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that poisoned the world, or None."""
+        return self._failure
+
+    def check(self, label: str) -> None:
+        """Raise CommError if the world has failed or was closed."""
+        error = self._refusal(label)
+        if error is not None:
+            raise error from self._failure
+
+    def _refusal(self, label: str, closed: bool = True) -> CommError | None:
+        if self._failure is not None:
+            first = self._failure
+            return CommError(
+                f"{label}: the world failed earlier, so no operation can run in it any more; "
+                f"the first failure was in {self._failure_label}: {type(first).__name__}: {first}"
+            )
+        if closed and self._closed_reason is not None:
+            return CommError(f"{label}: {self._closed_reason}")
+        return None
+
+    def poison(self, exc: BaseException, label: str) -> None:
+        """Record the world's first failure; later operations refuse to run."""
+        with self._cv:
+            if self._failure is None:
+                self._failure, self._failure_label = exc, label
+
+    # -- running operations --------------------------------------------------------------
+    def submit(self, fn: Callable[[], T], label: str, async_op: bool) -> Any:
+        """Run ``fn`` in issue order; return its result, or a :class:`Work` if ``async_op``.
+
+        Raises:
+            CommError: the world failed or was closed (nothing is queued then).
+            Exception: a synchronous ``fn`` raised (and the world is poisoned).
+        """
+        with self._cv:
+            self.check(label)
+            if not async_op and threading.current_thread() is self._thread:
+                raise CommError(
+                    f"{label}: a synchronous call from the progress thread (a Future callback) "
+                    "would wait on itself; use async_op=True there"
+                )
+            inline = not async_op and not self._busy and not self._queue
+            if inline:
+                self._busy = True
+            else:
+                work: Work[T] = Work(label)
+                self._queue.append((fn, work))
+                self._ensure_thread()
+                self._cv.notify_all()
+        if not inline:
+            return work if async_op else work.wait()
+        try:
+            return self._run(fn, label)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _run(self, fn: Callable[[], T], label: str) -> T:
+        try:
+            return fn()
+        except BaseException as exc:
+            # Whatever escaped mid-operation leaves the ranks' streams in an unknown state.
+            self.poison(exc, label)
+            raise
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._loop, name=f"meshcomm-progress ({self._where})", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while (self._busy or not self._queue) and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                fn, work = self._queue.popleft()
+                self._busy = True
+                abandoned = self._stop
+            try:
+                refusal = self._refusal(work._label, closed=abandoned)
+                if refusal is not None:
+                    refusal.__cause__ = self._failure
+                    work._future.set_exception(refusal)
+                else:
+                    work._finish(functools.partial(self._run, fn, work._label))
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for queued operations to finish; True if they did."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self, reason: str = "the world was closed", timeout: float = 10.0) -> None:
+        """Refuse new operations, let queued ones finish (up to ``timeout``), stop the thread.
+
+        Operations still queued after ``timeout`` fail with CommError. Idempotent.
+        """
+        with self._cv:
+            if self._closed_reason is None:
+                self._closed_reason = f"{self._where}: {reason}"
+        self.drain(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
