@@ -1,18 +1,26 @@
 """meshcomm: JAX-style functional collectives over device meshes.
 
 Start a job with ``meshrun --nproc-per-node N script.py`` (or torchrun, mpiexec, srun), then
-in the script:
+in the script build a mesh and call collectives by axis name.
+
+Public names are imported on first use (PEP 562), so ``import meshcomm`` stays cheap in
+every rank of a launch: a rank pays only for the layers it touches.
 
 Example:
     >>> import numpy as np
     >>> import meshcomm
-    >>> world = meshcomm.init(world_size=1)
-    >>> world.all_reduce(np.arange(3)).tolist()
+    >>> from meshcomm import ops
+    >>> mesh = meshcomm.init_device_mesh((1,), mesh_dim_names=("dp",))
+    >>> with mesh:
+    ...     ops.psum(np.arange(3), "dp").tolist()
     [0, 1, 2]
     >>> meshcomm.shutdown()
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from meshcomm.errors import (
     CommError,
@@ -20,31 +28,61 @@ from meshcomm.errors import (
     InvalidArgument,
     MeshCommError,
     PeerError,
+    ProcessExitedException,
+    ProcessRaisedException,
     ProtocolError,
     RendezvousError,
+    SpawnError,
+    SpawnTimeout,
     StoreError,
     StoreTimeout,
 )
-from meshcomm.group import ProcessGroup, Work, new_group
-from meshcomm.reduction import ReduceOp
-from meshcomm.spawn import (
-    ProcessExitedException,
-    ProcessRaisedException,
-    SpawnContext,
-    SpawnError,
-    SpawnTimeout,
-    spawn,
-)
-from meshcomm.world import get_world, init, is_initialized, shutdown
+
+if TYPE_CHECKING:
+    from meshcomm import ops
+    from meshcomm.group import ProcessGroup, Work, new_group
+    from meshcomm.mesh import DeviceMesh, current_mesh, init_device_mesh
+    from meshcomm.reduction import ReduceOp
+    from meshcomm.spawn import SpawnContext, spawn
+    from meshcomm.store import FileStore, HashStore, PrefixStore, Store, TCPStore
+    from meshcomm.world import get_world, get_world_info, init, is_initialized, shutdown
 
 __version__ = "0.1.0"
+
+# name -> module that defines it; resolved by __getattr__ on first access.
+_LAZY = {
+    "ops": "meshcomm.ops",
+    "DeviceMesh": "meshcomm.mesh",
+    "current_mesh": "meshcomm.mesh",
+    "init_device_mesh": "meshcomm.mesh",
+    "ProcessGroup": "meshcomm.group",
+    "Work": "meshcomm.group",
+    "new_group": "meshcomm.group",
+    "ReduceOp": "meshcomm.reduction",
+    "SpawnContext": "meshcomm.spawn",
+    "spawn": "meshcomm.spawn",
+    "Store": "meshcomm.store",
+    "TCPStore": "meshcomm.store",
+    "FileStore": "meshcomm.store",
+    "HashStore": "meshcomm.store",
+    "PrefixStore": "meshcomm.store",
+    "get_world": "meshcomm.world",
+    "get_world_info": "meshcomm.world",
+    "init": "meshcomm.world",
+    "is_initialized": "meshcomm.world",
+    "shutdown": "meshcomm.world",
+}
 
 __all__ = [
     "CommError",
     "CommTimeout",
+    "DeviceMesh",
+    "FileStore",
+    "HashStore",
     "InvalidArgument",
     "MeshCommError",
     "PeerError",
+    "PrefixStore",
     "ProcessExitedException",
     "ProcessGroup",
     "ProcessRaisedException",
@@ -54,14 +92,34 @@ __all__ = [
     "SpawnContext",
     "SpawnError",
     "SpawnTimeout",
+    "Store",
     "StoreError",
     "StoreTimeout",
+    "TCPStore",
     "Work",
     "__version__",
+    "current_mesh",
     "get_world",
+    "get_world_info",
     "init",
+    "init_device_mesh",
     "is_initialized",
     "new_group",
+    "ops",
     "shutdown",
     "spawn",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"meshcomm.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

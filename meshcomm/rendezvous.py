@@ -1,53 +1,51 @@
-"""Rendezvous: how the processes of a job find each other and agree on who is who.
+"""Rendezvous: how the processes of a job find the store they share and agree on ranks.
 
-Three steps, each its own function:
-
-1. :func:`detect_launch` reads a launcher's environment variables (a pure function over a
-   mapping, so it is tested with plain dicts). Launchers, first match wins::
-
-       meshcomm   MESHCOMM_RANK, MESHCOMM_WORLD_SIZE, MESHCOMM_LOCAL_RANK, ...
-       torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
-       openmpi    OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK, ...
-       mpich      PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS (Hydra, Intel MPI)
-       slurm      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (only inside an ``srun`` step)
-       single     none of the above: a world of one
-
-   The master address comes from ``MESHCOMM_MASTER_ADDR``/``MESHCOMM_MASTER_PORT``, then
-   ``MASTER_ADDR``/``MASTER_PORT``, then (SLURM only) the first node of the step's node list.
-2. :func:`parse_init_method` validates an ``env://``, ``tcp://host:port`` or ``file:///path`` URL.
-3. :func:`rendezvous` opens the store (rank 0 hosts a TCPStore server unless a launcher hosts
-   one), then runs the agreement protocol: every rank checks the world size, claims its rank
+1. :func:`parse_init_method` validates an ``env://``, ``tcp://host:port`` or ``file:///path``
+   URL. ``env://`` takes rank, size and the store address from the launcher's environment
+   (:func:`meshcomm.launch.detect_launch`).
+2. :func:`rendezvous` opens the store: rank 0 hosts a TCPStore server, unless a launcher
+   serves one (meshrun and spawn a meshcomm store; torchrun's agent its own torch TCPStore,
+   joined through :class:`~meshcomm.store.torch_adapter.TorchStore`). Under MPI with no
+   master address, rank 0 starts the server on a free port and MPI carries its address.
+3. It then runs the agreement protocol: every rank checks the world size, claims its rank
    with ``compare_set`` and waits at an arrival barrier. A rank that finds a problem writes an
    abort record, so the others fail at once with the same reason instead of at their timeout.
 
-Under MPI with no master address, rank 0 starts the store server on a free port and sends
-its address to the other ranks through MPI itself (mpi4py, imported only then).
+Every key lives under ``meshcomm/`` (``meshcomm/rdzv/...`` for the protocol,
+``meshcomm/world/...`` for the world's store view), so a store shared with torch, such as
+torchrun's agent store, never sees meshcomm clash with torch's own keys.
 
 Example:
-    >>> info = detect_launch({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
-    ...                       "MASTER_PORT": "29500"})
-    >>> info.launcher, info.rank, info.world_size, info.master_addr, info.master_port
-    ('torchrun', 1, 4, '10.0.0.1', 29500)
     >>> parse_init_method("tcp://127.0.0.1:29500").port
     29500
+    >>> from meshcomm.store import HashStore
+    >>> rdzv = rendezvous(rank=0, world_size=1, store=HashStore(), timeout=5)
+    >>> rdzv.rank, rdzv.world_size, rdzv.launcher
+    (0, 1, 'explicit')
+    >>> rdzv.close()
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import re
 import socket
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, RendezvousError, StoreError, StoreTimeout
+from meshcomm.launch import (
+    LaunchInfo,
+    check_port,
+    check_rank_size,
+    detect_launch,
+    mpi_share_store_address,
+)
 
 if TYPE_CHECKING:
     from meshcomm.store import TCPStore
@@ -55,76 +53,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "InitMethod",
-    "LaunchInfo",
     "Rendezvous",
-    "detect_launch",
-    "expand_nodelist",
     "parse_init_method",
     "rendezvous",
 ]
 
-#: Launcher variables, in precedence order: (name, rank, size, local rank, local size).
-_LAUNCHERS = (
-    (
-        "meshcomm",
-        "MESHCOMM_RANK",
-        "MESHCOMM_WORLD_SIZE",
-        "MESHCOMM_LOCAL_RANK",
-        "MESHCOMM_LOCAL_WORLD_SIZE",
-    ),
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    (
-        "openmpi",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-)
-_MPI_LAUNCHERS = ("openmpi", "mpich")
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-# Hostnames are at most 255 bytes (DNS); fixed-size MPI buffers keep pickle off the wire.
-_MPI_NAME_BYTES = 256
-_MPI_ADDR_BYTES = 1024
-# A SLURM job with no MASTER_PORT derives one from its job id: every rank computes the same
-# port without talking, and concurrent jobs on one node rarely collide. The range stays below
-# Linux's ephemeral ports (32768+) so outgoing connections do not take it first.
-_SLURM_PORT_BASE = 15000
-_SLURM_PORT_SPAN = 15000
 # After an abort, the rank that hosts the store server keeps it up this long (at most) so the
 # other ranks can read the reason instead of seeing a dropped connection.
 _ABORT_LINGER = 2.0
 # Seconds a rank 0 whose port is taken tries that port's server as a client (see _tcp_store).
 _JOIN_TAKEN_PORT = 5.0
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """What a launcher's environment says about this process.
-
-    Attributes:
-        launcher: "meshcomm", "torchrun", "openmpi", "mpich", "slurm" or "single".
-        rank: this process's world rank.
-        world_size: number of processes in the world.
-        local_rank: rank among the processes on this host, None if the launcher does not say.
-        local_world_size: processes on this host, None if the launcher does not say.
-        master_addr: host of the rendezvous store, None if unknown.
-        master_port: port of the rendezvous store, None if unknown.
-
-    Example:
-        >>> LaunchInfo("single", 0, 1, 0, 1, None, None).world_size
-        1
-    """
-
-    launcher: str
-    rank: int
-    world_size: int
-    local_rank: int | None
-    local_world_size: int | None
-    master_addr: str | None
-    master_port: int | None
 
 
 @dataclass(frozen=True)
@@ -146,201 +85,6 @@ class InitMethod:
     path: str | None = None
     rank: int | None = None
     world_size: int | None = None
-
-
-# -- launcher detection ---------------------------------------------------------------------
-
-
-def _env_int(env: Mapping[str, str], var: str, launcher: str, minimum: int) -> int | None:
-    raw = env.get(var)
-    if raw is None:
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise InvalidArgument(
-            f"environment variable {var} (launcher {launcher}) must be an integer, got {raw!r}"
-        ) from None
-    if value < minimum:
-        raise InvalidArgument(
-            f"environment variable {var} (launcher {launcher}) must be >= {minimum}, got {value}"
-        )
-    return value
-
-
-def _check_port(port: int, source: str) -> int:
-    if not 1 <= port <= 65535:
-        raise InvalidArgument(f"{source} must be a port in [1, 65535], got {port}")
-    return port
-
-
-def _check_rank_size(rank: int, world_size: int, source: str) -> None:
-    if world_size <= 0:
-        raise InvalidArgument(f"world size must be >= 1, got {world_size} ({source})")
-    if rank < 0:
-        raise InvalidArgument(f"rank must be >= 0, got {rank} ({source})")
-    if rank >= world_size:
-        raise InvalidArgument(
-            f"rank must be in [0, {world_size}) for a world of {world_size}, got {rank} ({source})"
-        )
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM node list such as ``"node[03-05,07],gpu1"`` into host names.
-
-    Ranges keep their zero padding; several bracket groups in one name expand as a product.
-
-    Raises:
-        InvalidArgument: the list is empty or malformed (unbalanced brackets, bad range).
-
-    Example:
-        >>> expand_nodelist("node[03-05,07],gpu1")
-        ['node03', 'node04', 'node05', 'node07', 'gpu1']
-        >>> expand_nodelist("r[1-2]n[1,3]")
-        ['r1n1', 'r1n3', 'r2n1', 'r2n3']
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist):
-        names = [""]
-        for literal, group in re.findall(r"([^\[\]]*)(?:\[([^\[\]]*)\])?", item):
-            suffixes = _expand_ranges(group, nodelist) if group else [""]
-            names = [n + literal + s for n in names for s in suffixes]
-        hosts.extend(names)
-    return hosts
-
-
-def _split_top_level(nodelist: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(nodelist):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if depth not in (0, 1):
-            break
-        if ch == "," and depth == 0:
-            items.append(nodelist[start:i])
-            start = i + 1
-    items.append(nodelist[start:])
-    if depth != 0 or any(not item.strip() for item in items):
-        raise InvalidArgument(f"malformed SLURM node list {nodelist!r}")
-    return [item.strip() for item in items]
-
-
-def _expand_ranges(group: str, nodelist: str) -> list[str]:
-    out: list[str] = []
-    for part in group.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
-        if match is None:
-            raise InvalidArgument(f"malformed range {part!r} in SLURM node list {nodelist!r}")
-        lo, hi = match.group(1), match.group(2) or match.group(1)
-        if int(hi) < int(lo):
-            raise InvalidArgument(f"descending range {part!r} in SLURM node list {nodelist!r}")
-        out.extend(str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1))
-    return out
-
-
-def _slurm_tasks_on_node(spec: str, node_id: int) -> int | None:
-    # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": 2 tasks on 3 nodes, then 1.
-    node = 0
-    for part in spec.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if match is None:
-            return None
-        node += int(match.group(2) or 1)
-        if node_id < node:
-            return int(match.group(1))
-    return None
-
-
-def _slurm_extras(env: Mapping[str, str]) -> tuple[int | None, str | None, int | None]:
-    local_size = _env_int(env, "SLURM_NTASKS_PER_NODE", "slurm", 1)
-    node_id = _env_int(env, "SLURM_NODEID", "slurm", 0)
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if local_size is None and spec and node_id is not None:
-        local_size = _slurm_tasks_on_node(spec, node_id)
-    nodelist = (
-        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    )
-    master = expand_nodelist(nodelist)[0] if nodelist else None
-    job_id = _env_int(env, "SLURM_JOB_ID", "slurm", 0)
-    if job_id is None:
-        job_id = _env_int(env, "SLURM_JOBID", "slurm", 0)
-    port = None if job_id is None else _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
-    return local_size, master, port
-
-
-def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
-    """Work out rank, world size and master address from a launcher's environment.
-
-    A pure function: pass ``os.environ`` or any mapping. The first launcher whose rank and
-    size variables are present wins (see the module docstring for the order). SLURM counts
-    only inside a job step started by ``srun`` (``SLURM_STEP_ID`` or ``SLURM_STEPID`` set),
-    not in the batch script of an allocation.
-
-    Args:
-        env: environment variables.
-
-    Returns:
-        The launch description; a world of one ("single") when no launcher is found.
-
-    Raises:
-        InvalidArgument: a variable is not an integer, only one of a launcher's rank and size
-            variables is set, or the rank is outside the world.
-
-    Example:
-        >>> detect_launch({}).launcher
-        'single'
-        >>> info = detect_launch({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"})
-        >>> info.launcher, info.rank, info.master_addr
-        ('openmpi', 2, None)
-    """
-    for name, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
-        if name == "slurm" and "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
-            continue
-        if rank_var not in env and size_var not in env:
-            continue
-        if rank_var not in env or size_var not in env:
-            present, missing = (rank_var, size_var) if rank_var in env else (size_var, rank_var)
-            raise InvalidArgument(
-                f"launcher {name}: {present} is set but {missing} is not; set both or neither"
-            )
-        rank = _env_int(env, rank_var, name, 0)
-        size = _env_int(env, size_var, name, 1)
-        assert rank is not None and size is not None  # both present, checked above
-        _check_rank_size(rank, size, f"{rank_var}={rank}, {size_var}={size}")
-        local_rank = _env_int(env, local_var, name, 0)
-        local_size = _env_int(env, local_size_var, name, 1)
-        derived_addr, derived_port = None, None
-        if name == "slurm":
-            local_size, derived_addr, derived_port = _slurm_extras(env)
-        addr, port = _master_from_env(env, derived_addr, derived_port)
-        return LaunchInfo(name, rank, size, local_rank, local_size, addr, port)
-    addr, port = _master_from_env(env, None, None)
-    return LaunchInfo("single", 0, 1, 0, 1, addr, port)
-
-
-def _master_from_env(
-    env: Mapping[str, str], derived_addr: str | None, derived_port: int | None
-) -> tuple[str | None, int | None]:
-    addr = env.get("MESHCOMM_MASTER_ADDR") or env.get("MASTER_ADDR") or derived_addr
-    port: int | None = derived_port
-    for var in ("MESHCOMM_MASTER_PORT", "MASTER_PORT"):
-        if env.get(var):
-            port = _env_int(env, var, "env", 1)
-            assert port is not None  # the variable is present
-            _check_port(port, f"environment variable {var}")
-            break
-    return (addr.strip() if addr else None), port
-
-
-def _store_hosted(env: Mapping[str, str]) -> bool:
-    raw = env.get("MESHCOMM_STORE_HOSTED", "").strip().lower()
-    if raw in ("", "0", "false", "no"):
-        return False
-    if raw in ("1", "true", "yes"):
-        return True
-    raise InvalidArgument(f"MESHCOMM_STORE_HOSTED must be 0 or 1, got {raw!r}")
 
 
 # -- init_method URLs -----------------------------------------------------------------------
@@ -388,7 +132,7 @@ def parse_init_method(url: str) -> InitMethod:
             raise InvalidArgument(f"init_method {url!r}: the port must be in [1, 65535]")
         if parts.path not in ("", "/") or parts.username or parts.password:
             raise InvalidArgument(f"init_method {url!r}: tcp:// takes only HOST:PORT")
-        _check_port(port, f"init_method {url!r}: the port")
+        check_port(port, f"init_method {url!r}: the port")
         return InitMethod("tcp", host=parts.hostname, port=port, rank=rank, world_size=world_size)
     if parts.netloc not in ("", "localhost"):
         raise InvalidArgument(
@@ -552,9 +296,7 @@ def rendezvous(
         assert store is not None  # method is None only for a given store
         raw, address, owns, hosts = store, f"the given {type(store).__name__}", False, False
     else:
-        raw, address, hosts = _open_store(
-            method, info, me.rank, me.world_size, seconds, deadline, env
-        )
+        raw, address, hosts = _open_store(method, info, me.rank, me.world_size, seconds, deadline)
         owns = True
     # A launcher that restarts workers keeps its store: the restart count keeps rounds apart.
     tag = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{generation}"
@@ -626,12 +368,13 @@ def _identity(rank: int | None, world_size: int | None, info: LaunchInfo) -> Lau
             "it; pass both"
         )
     assert rank is not None and world_size is not None  # every branch above set both
-    _check_rank_size(rank, world_size, f"rank {rank}, world size {world_size}")
+    check_rank_size(rank, world_size, f"rank {rank}, world size {world_size}")
     if (rank, world_size) == (info.rank, info.world_size):
         local: tuple[int | None, int | None] = (info.local_rank, info.local_world_size)
     else:
         local = (0, 1) if world_size == 1 else (None, None)
-    return LaunchInfo(launcher, rank, world_size, *local, info.master_addr, info.master_port)
+    addr, port = info.master_addr, info.master_port
+    return LaunchInfo(launcher, rank, world_size, *local, addr, port, info.store_host)
 
 
 def _merge(explicit: int | None, from_url: int | None, name: str, url: str | None) -> int | None:
@@ -649,7 +392,6 @@ def _open_store(
     world_size: int,
     seconds: float,
     deadline: float,
-    env: Mapping[str, str],
 ) -> tuple[Store, str, bool]:
     """Open the store an init method names; return (store, address, hosts_server)."""
     from meshcomm.store import FileStore, HashStore
@@ -663,14 +405,14 @@ def _open_store(
                 f"rank {rank}: cannot open the FileStore at {method.path!r}: {exc}"
             ) from exc
         return file_store, f"file://{method.path}", False
-    host, port, hosted = method.host, method.port, False
+    host, port, store_host = method.host, method.port, "rank0"
     if method.scheme == "env":
-        host, port, hosted = info.master_addr, info.master_port, _store_hosted(env)
+        host, port, store_host = info.master_addr, info.master_port, info.store_host
         # A lone process outside any launcher keeps its store in memory: a MASTER_ADDR left
         # over in the shell must not make `python script.py` bind (or wait on) a port.
         if world_size == 1 and (info.launcher == "single" or (host is None and port is None)):
             return HashStore(seconds), "an in-process HashStore", False
-        if host is None and port is None and info.launcher in _MPI_LAUNCHERS:
+        if host is None and port is None and info.is_mpi:
             return _mpi_bootstrap(rank, world_size, seconds, deadline)
     if host is None or port is None:
         missing = "MASTER_ADDR" if host is None else "MASTER_PORT"
@@ -678,8 +420,44 @@ def _open_store(
             f"rank {rank}: env:// needs MASTER_ADDR and MASTER_PORT (or MESHCOMM_MASTER_ADDR "
             f"and MESHCOMM_MASTER_PORT) for a world of {world_size}; {missing} is not set"
         )
-    store = _tcp_store(host, port, rank, world_size, rank == 0 and not hosted, seconds)
+    if store_host == "torchelastic":
+        return _agent_store(host, port, rank, seconds), f"tcp://{host}:{port} (torchrun)", False
+    store = _tcp_store(host, port, rank, world_size, rank == 0 and store_host == "rank0", seconds)
     return store, f"tcp://{store.address}", store.server is not None
+
+
+def _agent_store(host: str, port: int, rank: int, seconds: float) -> Store:
+    """Join the torch TCPStore that torchrun's agent serves (it binds MASTER_PORT itself)."""
+    from meshcomm.store.torch_adapter import TorchStore
+
+    try:
+        return TorchStore.connect(host, port, timeout=seconds)
+    except StoreError as exc:
+        raise RendezvousError(
+            f"rank {rank}: TORCHELASTIC_USE_AGENT_STORE says torchrun's agent serves the store "
+            f"at {host}:{port}, but joining it failed: {exc} (set MESHCOMM_MASTER_ADDR and "
+            "MESHCOMM_MASTER_PORT to use a meshcomm store that rank 0 hosts instead)"
+        ) from exc
+
+
+def _mpi_bootstrap(
+    rank: int, world_size: int, seconds: float, deadline: float
+) -> tuple[Store, str, bool]:
+    """Rank 0 hosts the store on a free port; MPI carries its address to the others."""
+    hosted: list[TCPStore] = []
+
+    def start(host: str) -> int:
+        hosted.append(_tcp_store(host, 0, 0, world_size, True, seconds))
+        return int(hosted[0].port)
+
+    try:
+        host, port = mpi_share_store_address(rank, world_size, deadline, start)
+    except BaseException:
+        for store in hosted:
+            store.close()
+        raise
+    store = hosted[0] if hosted else _tcp_store(host, port, rank, world_size, False, seconds)
+    return store, f"tcp://{store.address}", bool(hosted)
 
 
 def _tcp_store(
@@ -716,106 +494,6 @@ def _tcp_store(
         return TCPStore(host, port, world_size, timeout=min(seconds, _JOIN_TAKEN_PORT))
     except (StoreError, OSError):
         raise failure from failure.__cause__
-
-
-# -- bootstrap through MPI ------------------------------------------------------------------
-
-
-def _mpi_bootstrap(
-    rank: int, world_size: int, seconds: float, deadline: float
-) -> tuple[Store, str, bool]:
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise RendezvousError(
-            f"rank {rank}: started by an MPI launcher without MASTER_ADDR/MASTER_PORT, so the "
-            "store address must travel through MPI, which needs mpi4py: "
-            "pip install meshcomm[mpi], or set MASTER_ADDR and MASTER_PORT"
-        ) from exc
-    comm = MPI.COMM_WORLD
-    if (comm.Get_rank(), comm.Get_size()) != (rank, world_size):
-        raise RendezvousError(
-            f"rank {rank} of {world_size} does not match MPI_COMM_WORLD (rank {comm.Get_rank()} "
-            f"of {comm.Get_size()}); set MASTER_ADDR and MASTER_PORT to rendezvous without MPI"
-        )
-    names = _mpi_allgather_name(MPI, comm, socket.gethostname(), deadline)
-    same_host = len(set(names)) == 1
-    payload: dict[str, Any] = {}
-    store: TCPStore | None = None
-    if rank == 0:
-        try:
-            host = "127.0.0.1" if same_host else _routable_address(names)
-            store = _tcp_store(host, 0, 0, world_size, True, seconds)
-            payload = {"host": host, "port": int(store.port)}
-        except (RendezvousError, OSError) as exc:
-            # Every rank must still get an answer, or they would wait out the timeout in MPI.
-            payload = {"error": f"rank 0 could not start the store server: {exc}"[:800]}
-    try:
-        payload = _mpi_bcast_json(MPI, comm, payload, deadline)
-        if "error" in payload:
-            raise RendezvousError(f"rank {rank}: {payload['error']}")
-        host, port = str(payload["host"]), int(payload["port"])
-    except BaseException:
-        if store is not None:
-            store.close()
-        raise
-    if store is None:
-        store = _tcp_store(host, port, rank, world_size, False, seconds)
-    return store, f"tcp://{store.address}", rank == 0
-
-
-def _mpi_wait(request: Any, deadline: float, what: str) -> None:
-    delay = 0.0005
-    while not request.Test():
-        if time.monotonic() >= deadline:
-            raise RendezvousError(f"MPI {what} did not complete before the rendezvous timeout")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def _mpi_allgather_name(mpi: Any, comm: Any, name: str, deadline: float) -> list[str]:
-    send = bytearray(_MPI_NAME_BYTES)
-    raw = name.encode()[: _MPI_NAME_BYTES - 1]
-    send[: len(raw)] = raw
-    recv = bytearray(_MPI_NAME_BYTES * comm.Get_size())
-    _mpi_wait(comm.Iallgather([send, mpi.BYTE], [recv, mpi.BYTE]), deadline, "hostname allgather")
-    chunks = (recv[i : i + _MPI_NAME_BYTES] for i in range(0, len(recv), _MPI_NAME_BYTES))
-    return [bytes(chunk).rstrip(b"\0").decode(errors="replace") for chunk in chunks]
-
-
-def _mpi_bcast_json(
-    mpi: Any, comm: Any, payload: dict[str, Any], deadline: float
-) -> dict[str, Any]:
-    buf = bytearray(_MPI_ADDR_BYTES)
-    raw = json.dumps(payload).encode()[:_MPI_ADDR_BYTES]
-    buf[: len(raw)] = raw
-    _mpi_wait(comm.Ibcast([buf, mpi.BYTE], root=0), deadline, "store address broadcast")
-    try:
-        decoded = json.loads(bytes(buf).rstrip(b"\0"))
-    except ValueError as exc:
-        raise RendezvousError(f"rank 0 broadcast a malformed store address: {exc}") from exc
-    if not isinstance(decoded, dict):
-        raise RendezvousError(f"rank 0 broadcast a malformed store address: {decoded!r}")
-    return decoded
-
-
-def _routable_address(peer_names: list[str]) -> str:
-    """Return this host's address on the interface that reaches the other hosts."""
-    me = socket.gethostname()
-    for peer in peer_names:
-        if peer == me:
-            continue
-        try:
-            peer_ip = socket.gethostbyname(peer)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                # connect() on UDP sends nothing; it only picks the outgoing interface.
-                probe.connect((peer_ip, 9))
-                address = str(probe.getsockname()[0])
-            if not address.startswith("127."):
-                return address
-        except OSError:
-            continue
-    return socket.gethostbyname(me)
 
 
 # -- the agreement protocol -----------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The default world: the one place that holds this process's world group.
 
-:func:`init` runs the rendezvous (:mod:`meshcomm.rendezvous`), creates the world
-communicator of the chosen backend and wraps it in a :class:`~meshcomm.group.ProcessGroup`;
-:func:`shutdown` closes both. A :class:`World` object holds that state; the module keeps a
-single instance and the functions below delegate to it, so nothing else in meshcomm keeps a
-global group.
+:func:`init` runs the rendezvous (:mod:`meshcomm.rendezvous`, which reads the launcher's
+environment through :mod:`meshcomm.launch`), creates the world communicator of the chosen
+backend and wraps it in a :class:`~meshcomm.group.ProcessGroup`; :func:`shutdown` closes both.
+A :class:`World` object holds that state; the module keeps a single instance and the
+functions below delegate to it, so nothing else in meshcomm keeps a global group.
 
 Lifecycle: ``init`` twice raises; ``shutdown`` twice (or before ``init``) does nothing;
 after ``shutdown``, :func:`get_world` raises and the old group refuses to run collectives;
@@ -261,8 +261,9 @@ def init(
     """Join the default world and return its group.
 
     With no arguments, rank and world size come from the launcher's environment (``meshrun``,
-    ``torchrun``, ``mpiexec``, ``srun``; see :func:`meshcomm.rendezvous.detect_launch`) and a
-    plain ``python script.py`` is a world of one.
+    ``torchrun``, ``mpiexec``, ``srun``; see :func:`meshcomm.launch.detect_launch`) and a
+    plain ``python script.py`` is a world of one. Under ``torchrun`` the ranks meet in the
+    store its agent already serves on ``MASTER_PORT``.
 
     Args:
         backend: "tcp" (default), "mpi", "nccl" or "self"; a world of one runs on "self".

@@ -18,14 +18,8 @@ from typing import Any
 import pytest
 
 from meshcomm.errors import InvalidArgument, RendezvousError
-from meshcomm.rendezvous import (
-    InitMethod,
-    LaunchInfo,
-    detect_launch,
-    expand_nodelist,
-    parse_init_method,
-    rendezvous,
-)
+from meshcomm.launch import LaunchInfo, detect_launch, expand_nodelist
+from meshcomm.rendezvous import InitMethod, parse_init_method, rendezvous
 from meshcomm.store import HashStore
 
 _spec = importlib.util.spec_from_file_location(
@@ -169,6 +163,38 @@ def test_master_address_precedence() -> None:
 
 
 @pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, "rank0"),
+        # torchrun's agent serves its own TCPStore on MASTER_PORT; torch writes "True".
+        ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, "torchelastic"),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "true"}, "torchelastic"),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "1"}, "torchelastic"),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, "rank0"),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "0"}, "rank0"),
+        ({"MESHCOMM_STORE_HOSTED": "1"}, "launcher"),
+        # Explicit meshcomm settings win over the inherited torch flag.
+        ({"MESHCOMM_STORE_HOSTED": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}, "launcher"),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "True", "MESHCOMM_MASTER_PORT": "7"}, "rank0"),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "True", "MESHCOMM_MASTER_ADDR": "h"}, "rank0"),
+    ],
+)
+def test_who_serves_the_store(extra: dict[str, str], expected: str) -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    info = detect_launch(env | extra)
+    assert info.store_host == expected
+    if expected == "torchelastic":
+        # The agent's store is at the torch address, whatever else is set.
+        assert (info.master_addr, info.master_port) == ("localhost", 29500)
+
+
+def test_mpi_launchers_are_flagged() -> None:
+    assert detect_launch({"PMI_RANK": "0", "PMI_SIZE": "2"}).is_mpi
+    assert detect_launch({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}).is_mpi
+    assert not detect_launch({"RANK": "0", "WORLD_SIZE": "2"}).is_mpi
+
+
+@pytest.mark.parametrize(
     ("env", "fragment"),
     [
         ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK (launcher torchrun) must be an integer"),
@@ -181,6 +207,10 @@ def test_master_address_precedence() -> None:
         ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "x"}, "MPI_LOCALRANKID"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "[1, 65535], got 70000"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "maybe"},
+            "TORCHELASTIC_USE_AGENT_STORE must be 0 or 1 (or true/false), got 'maybe'",
+        ),
         (
             {
                 "SLURM_PROCID": "0",
