@@ -1,0 +1,278 @@
+"""Gathers and scatters by axis name: ``all_gather``, ``psum_scatter``, ``all_to_all``.
+
+Semantics and shapes are those of ``jax.lax``; index ``i`` along the gathered (or
+scattered) axis belongs to the rank at axis index ``i`` (row-major over a tuple of axes)::
+
+    all_gather(x, "tp")            psum_scatter(x, "tp")          all_to_all(x, "tp", 0, 0)
+    rank i holds a_i               rank i holds [b_i0..b_i3]      rank i holds [c_i0..c_i3]
+    every rank gets [a0 a1 a2 a3]  rank j gets b_0j+...+b_3j      rank j gets [c_0j..c_3j]
+
+Example:
+    >>> import numpy as np
+    >>> import meshcomm.world as world
+    >>> from meshcomm.mesh import init_device_mesh
+    >>> mesh = init_device_mesh((1,), ("x",))  # a world of one here
+    >>> all_gather(np.arange(3), "x", mesh=mesh).shape, all_gather(np.arange(3), "x",
+    ...     tiled=True, mesh=mesh).shape
+    ((1, 3), (3,))
+    >>> world.shutdown()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meshcomm.errors import InvalidArgument
+from meshcomm.ops._checks import axis_arg, block_shape, to_blocks, unstack
+from meshcomm.ops._resolve import AxisName, resolve
+from meshcomm.ops.pytree import Kernel, array_namespace, run
+
+if TYPE_CHECKING:
+    from meshcomm.group import ProcessGroup
+    from meshcomm.mesh import DeviceMesh
+
+__all__ = ["all_gather", "all_to_all", "psum_scatter"]
+
+
+class _Gather(Kernel):
+    def __init__(self, axis: Any, tiled: bool, size: int) -> None:
+        self.axis, self.tiled, self.size = axis, bool(tiled), size
+
+    def check(self, arr: Any, where: str) -> tuple[Any, Any]:
+        if self.tiled and arr.ndim == 0:
+            raise InvalidArgument(
+                f"{where}: tiled=True concatenates along an existing axis, got a 0-d array"
+            )
+        positions = arr.ndim if self.tiled else arr.ndim + 1
+        return arr, (arr.shape, axis_arg(where, self.axis, positions, "axis"))
+
+    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+        return group.all_gather(arr, axis=meta[1], tiled=self.tiled, async_op=async_op)
+
+    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+        return group.all_gather(buf.reshape(-1), axis=0, tiled=False, async_op=async_op)
+
+    def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
+        xp = array_namespace(result)
+        flat = xp.ascontiguousarray(result[:, cols]).reshape(-1)
+        return unstack(xp, flat, meta[0], meta[1], self.size, self.tiled)
+
+
+class _Scatter(Kernel):
+    def __init__(self, dim: Any, tiled: bool, size: int) -> None:
+        self.dim, self.tiled, self.size = dim, bool(tiled), size
+
+    def check(self, arr: Any, where: str) -> tuple[Any, Any]:
+        if arr.dtype == np.bool_:
+            raise TypeError(
+                f"{where}: psum_scatter does not sum bool (as jax.lax.psum_scatter); use "
+                "x.astype(np.int32)"
+            )
+        if arr.ndim == 0:
+            raise InvalidArgument(f"{where}: x needs at least one axis to scatter, got a 0-d array")
+        ax = axis_arg(where, self.dim, arr.ndim, "scatter_dimension")
+        block = block_shape(where, arr.shape, ax, self.size, self.tiled, "scatter_dimension")
+        return arr, (ax, block)
+
+    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+        return group.reduce_scatter(arr, "sum", axis=meta[0], tiled=self.tiled, async_op=async_op)
+
+    def pack(self, arr: Any, meta: Any) -> Any:
+        return to_blocks(array_namespace(arr), arr, meta[0], self.size, self.tiled)
+
+    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+        return group.reduce_scatter(buf, "sum", axis=0, tiled=False, async_op=async_op)
+
+    def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
+        return result[cols].reshape(meta[1])
+
+
+class _AllToAll(Kernel):
+    def __init__(self, split: Any, concat: Any, tiled: bool, size: int) -> None:
+        self.split, self.concat, self.tiled, self.size = split, concat, bool(tiled), size
+
+    def check(self, arr: Any, where: str) -> tuple[Any, Any]:
+        if arr.ndim == 0:
+            raise InvalidArgument(f"{where}: x needs at least one axis to split, got a 0-d array")
+        split = axis_arg(where, self.split, arr.ndim, "split_axis")
+        concat = axis_arg(where, self.concat, arr.ndim, "concat_axis")
+        block = block_shape(where, arr.shape, split, self.size, self.tiled, "split_axis")
+        return arr, (split, concat, block)
+
+    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+        return group.all_to_all(
+            arr, split_axis=meta[0], concat_axis=meta[1], tiled=self.tiled, async_op=async_op
+        )
+
+    def pack(self, arr: Any, meta: Any) -> Any:
+        return to_blocks(array_namespace(arr), arr, meta[0], self.size, self.tiled)
+
+    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+        return group.all_to_all(buf, split_axis=0, concat_axis=0, tiled=False, async_op=async_op)
+
+    def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
+        xp = array_namespace(result)
+        flat = xp.ascontiguousarray(result[:, cols]).reshape(-1)
+        return unstack(xp, flat, meta[2], meta[1], self.size, self.tiled)
+
+
+def all_gather(
+    x: Any,
+    axis_name: AxisName,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
+    mesh: DeviceMesh | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Gather ``x`` from every rank along ``axis_name`` (``jax.lax.all_gather``).
+
+    ::
+
+        axis "tp" of size 4, rank i holds a_i (shape s):
+        tiled=False: every rank gets stack([a0, a1, a2, a3], axis)  (shape s with 4 inserted)
+        tiled=True:  every rank gets concatenate([a0, ..., a3], axis)  (s[axis] * 4)
+
+    Args:
+        x: an array or a pytree of arrays; same shapes and dtypes on every rank.
+        axis_name: a mesh dim name, or a tuple of names (rank order: row-major over them).
+        axis: not tiled: where the new axis goes (``-(x.ndim+1)..x.ndim``); tiled: the
+            existing axis the pieces are concatenated along.
+        tiled: concatenate instead of stacking.
+        mesh: the mesh; default the ambient one.
+        async_op: return a :class:`~meshcomm.work.Work`.
+
+    Returns:
+        A new array (pytree): entry ``i`` along ``axis`` is axis index ``i``'s ``x``.
+
+    Raises:
+        InvalidArgument: ``axis`` out of range, tiled with a 0-d ``x``, no mesh, unknown axis.
+        TypeError: an unsupported dtype, a non-int ``axis``.
+        CommError: communication failed.
+
+    Example:
+        >>> import numpy as np
+        >>> import meshcomm.world as world
+        >>> from meshcomm.mesh import init_device_mesh
+        >>> mesh = init_device_mesh((1,), ("x",))
+        >>> all_gather(np.ones((2, 3)), "x", axis=-1, mesh=mesh).shape
+        (2, 3, 1)
+        >>> world.shutdown()
+    """
+    ax = resolve(axis_name, mesh, "all_gather")
+    return run(_Gather(axis, tiled, ax.size), x, ax.where, ax.group, async_op)
+
+
+def psum_scatter(
+    x: Any,
+    axis_name: AxisName,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
+    mesh: DeviceMesh | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Sum ``x`` along ``axis_name`` and keep only this rank's block (``jax.lax.psum_scatter``).
+
+    ``psum_scatter(x, a)`` equals ``psum(x, a)[axis_index(a)]`` (not tiled), at a fraction
+    of the traffic; ``all_gather(psum_scatter(x, a, tiled=True), a, tiled=True)`` equals
+    ``psum(x, a)``::
+
+        axis of size 4, rank i holds [b_i0, b_i1, b_i2, b_i3] along scatter_dimension:
+        rank j gets b_0j + b_1j + b_2j + b_3j
+
+    Args:
+        x: an array or a pytree of arrays; same shapes and dtypes on every rank.
+        axis_name: a mesh dim name, or a tuple of names.
+        scatter_dimension: the axis of ``x`` cut into blocks.
+        tiled: not tiled: ``x.shape[scatter_dimension]`` must equal the axis size and
+            that dimension is removed; tiled: it must be divisible by the axis size and
+            shrinks by it.
+        mesh: the mesh; default the ambient one.
+        async_op: return a Work.
+
+    Returns:
+        A new array (pytree): this rank's block of the sum.
+
+    Raises:
+        InvalidArgument: the scatter dimension does not match (or divide by) the axis size
+            (the message states both), out of range, a 0-d ``x``, no mesh, unknown axis.
+        TypeError: bool (as in JAX) or an unsupported dtype.
+        CommError: communication failed.
+
+    Example:
+        >>> import numpy as np
+        >>> import meshcomm.world as world
+        >>> from meshcomm.mesh import init_device_mesh
+        >>> mesh = init_device_mesh((1,), ("x",))
+        >>> psum_scatter(np.arange(4).reshape(2, 2), "x", scatter_dimension=1, tiled=True,
+        ...              mesh=mesh)
+        array([[0, 1],
+               [2, 3]])
+        >>> psum_scatter(np.arange(4), "x", mesh=mesh)
+        Traceback (most recent call last):
+        ...
+        meshcomm.errors.InvalidArgument: psum_scatter over 'x' (size 1) on rank 0: with \
+tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4 and 1 \
+(scatter_dimension=0, x.shape=(4,))
+        >>> world.shutdown()
+    """
+    ax = resolve(axis_name, mesh, "psum_scatter")
+    return run(_Scatter(scatter_dimension, tiled, ax.size), x, ax.where, ax.group, async_op)
+
+
+def all_to_all(
+    x: Any,
+    axis_name: AxisName,
+    split_axis: int,
+    concat_axis: int,
+    *,
+    tiled: bool = False,
+    mesh: DeviceMesh | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Send block ``j`` of ``x`` to axis index ``j``; put the received blocks together
+    (``jax.lax.all_to_all``).
+
+    ::
+
+        axis of size 4, rank i holds [c_i0, c_i1, c_i2, c_i3] along split_axis:
+        rank j gets [c_0j, c_1j, c_2j, c_3j] along concat_axis
+
+    Args:
+        x: an array or a pytree of arrays; same shapes and dtypes on every rank.
+        axis_name: a mesh dim name, or a tuple of names.
+        split_axis: the axis of ``x`` cut into axis-size blocks.
+        concat_axis: where the received blocks go. Not tiled: ``x.shape[split_axis]`` must
+            equal the axis size; that axis is removed and a new one (indexed by the source)
+            is inserted at ``concat_axis`` (a position in the result). Tiled:
+            ``x.shape[split_axis]`` must be divisible by the axis size; it shrinks by it and
+            ``concat_axis`` grows by it.
+        tiled: keep the rank (see above).
+        mesh: the mesh; default the ambient one.
+        async_op: return a Work.
+
+    Returns:
+        A new array (pytree); not tiled, of shape
+        ``np.insert(np.delete(x.shape, split_axis), concat_axis, axis_size)``.
+
+    Raises:
+        InvalidArgument: ``x.shape[split_axis]`` does not match (or divide by) the axis size
+            (the message states both), an axis out of range, no mesh, unknown axis.
+        TypeError: an unsupported dtype.
+        CommError: communication failed.
+
+    Example:
+        >>> import numpy as np
+        >>> import meshcomm.world as world
+        >>> from meshcomm.mesh import init_device_mesh
+        >>> mesh = init_device_mesh((1,), ("x",))
+        >>> all_to_all(np.arange(6).reshape(1, 6), "x", 0, 1, mesh=mesh).shape
+        (6, 1)
+        >>> world.shutdown()
+    """
+    ax = resolve(axis_name, mesh, "all_to_all")
+    kernel = _AllToAll(split_axis, concat_axis, tiled, ax.size)
+    return run(kernel, x, ax.where, ax.group, async_op)

@@ -1,0 +1,404 @@
+"""Pytrees for ``meshcomm.ops``: map a collective over the leaves of dicts, lists and tuples,
+coalescing leaves of one dtype into one transfer.
+
+A *pytree* is a leaf (an array, or anything ``np.asarray`` accepts: a scalar), or a dict,
+list, tuple or namedtuple of pytrees, or None (no leaves). As in JAX, lists and tuples are
+containers, not arrays: ``psum([1.0, 2.0], "x")`` returns a list of two 0-d arrays; pass
+``np.asarray([1.0, 2.0])`` for one array. Dict leaves are visited in sorted key order, so
+ranks that built their dicts in different orders still agree on what each transfer holds.
+
+Coalescing: an op over a tree issues **one transfer per dtype**: the leaves of that dtype
+are packed into one contiguous buffer (rank-major blocks where the op needs them), moved
+by one group collective, and cut back into the leaves. A dtype with a single leaf is
+passed to the group as is (no packing copy).
+
+Array types: numpy arrays in, numpy arrays out. :func:`array_namespace` is the hook for
+other array libraries (cupy arrays are packed with cupy and handed to the group as they
+are, for a backend that takes them, such as nccl).
+
+Example:
+    >>> leaves, treedef = tree_flatten({"b": [1, 2], "a": None, "c": (3,)})
+    >>> leaves
+    [1, 2, 3]
+    >>> tree_unflatten(treedef, [10, 20, 30])
+    {'b': [10, 20], 'a': None, 'c': (30,)}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meshcomm._arrays import as_array, check_dtype
+from meshcomm.work import Work
+
+if TYPE_CHECKING:
+    from meshcomm.group import ProcessGroup
+
+__all__ = [
+    "Kernel",
+    "TreeDef",
+    "array_namespace",
+    "as_leaf",
+    "run",
+    "tree_flatten",
+    "tree_unflatten",
+]
+
+
+@dataclass(frozen=True)
+class TreeDef:
+    """The structure of a pytree without its leaves.
+
+    Attributes:
+        kind: "leaf", "none", "dict", "list", "tuple" or "namedtuple".
+        children: the sub-structures, in flattening order.
+        keys: dict keys in flattening order (sorted when sortable); original key order in
+            ``order`` so the rebuilt dict looks like the input.
+        node_type: the namedtuple class, for "namedtuple".
+    """
+
+    kind: str
+    children: tuple[TreeDef, ...] = ()
+    keys: tuple[Any, ...] = ()
+    order: tuple[Any, ...] = ()
+    node_type: type | None = None
+
+    @property
+    def num_leaves(self) -> int:
+        """How many leaves the structure holds."""
+        if self.kind == "leaf":
+            return 1
+        return sum(c.num_leaves for c in self.children)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
+    """Return the leaves of ``tree`` (depth first) and its structure.
+
+    Example:
+        >>> tree_flatten((1, [2, {"y": 3, "x": 4}]))[0]
+        [1, 2, 4, 3]
+    """
+    leaves: list[Any] = []
+    return leaves, _flatten(tree, leaves)
+
+
+def _flatten(tree: Any, leaves: list[Any]) -> TreeDef:
+    if tree is None:
+        return TreeDef("none")
+    if isinstance(tree, dict):
+        order = tuple(tree)
+        try:
+            keys = tuple(sorted(order))
+        except TypeError:
+            keys = order
+        kids = tuple(_flatten(tree[k], leaves) for k in keys)
+        return TreeDef("dict", kids, keys, order)
+    if _is_namedtuple(tree):
+        kids = tuple(_flatten(v, leaves) for v in tree)
+        return TreeDef("namedtuple", kids, node_type=type(tree))
+    if isinstance(tree, (list, tuple)):
+        kids = tuple(_flatten(v, leaves) for v in tree)
+        return TreeDef("list" if isinstance(tree, list) else "tuple", kids)
+    leaves.append(tree)
+    return TreeDef("leaf")
+
+
+def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
+    """Rebuild a pytree of ``treedef``'s structure from ``leaves``.
+
+    Example:
+        >>> _, treedef = tree_flatten([0, (0, 0)])
+        >>> tree_unflatten(treedef, "abc")
+        ['a', ('b', 'c')]
+    """
+    it = iter(leaves)
+    return _unflatten(treedef, it)
+
+
+def _unflatten(treedef: TreeDef, it: Any) -> Any:
+    kind = treedef.kind
+    if kind == "leaf":
+        return next(it)
+    if kind == "none":
+        return None
+    kids = [_unflatten(c, it) for c in treedef.children]
+    if kind == "dict":
+        by_key = dict(zip(treedef.keys, kids, strict=True))
+        return {k: by_key[k] for k in treedef.order}
+    if kind == "namedtuple":
+        assert treedef.node_type is not None
+        return treedef.node_type(*kids)
+    return kids if kind == "list" else tuple(kids)
+
+
+def array_namespace(x: Any) -> ModuleType:
+    """Return the array module of ``x``: ``cupy`` for cupy arrays, else ``numpy``.
+
+    The hook for GPU arrays: packing and unpacking use this module, so a cupy array is
+    never copied to the host here.
+
+    Example:
+        >>> array_namespace(np.zeros(2)).__name__
+        'numpy'
+    """
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy  # only reached with a cupy array in hand
+
+        return cupy
+    return np
+
+
+def as_leaf(x: Any, where: str) -> Any:
+    """Return a leaf as an array of its own library, checking the dtype.
+
+    numpy arrays pass through (no copy); scalars and other array-likes become numpy arrays;
+    cupy arrays stay cupy arrays.
+
+    Raises:
+        TypeError: unsupported dtype, or not an array.
+
+    Example:
+        >>> as_leaf(3, "psum").dtype
+        dtype('int64')
+    """
+    if array_namespace(x) is not np:
+        check_dtype(x.dtype, where)
+        return x
+    return as_array(x, where)
+
+
+class Kernel:
+    """How one op moves one leaf; subclasses fill in the hooks, :func:`run` drives them.
+
+    ``check`` validates (and may convert) a leaf before any I/O and returns
+    ``(array, meta)``. A dtype bucket with one leaf goes through ``direct`` (the group call
+    on the array as is); buckets with several leaves are packed: each leaf becomes a 2-D
+    ``(rows, k)`` block (``rows`` is 1, or the axis size for ops that cut a leaf into
+    rank blocks), the blocks are concatenated along axis 1, ``call`` moves the buffer, and
+    ``unpack`` cuts one leaf's columns out of the result. ``finish`` post-processes each
+    leaf's result in both paths.
+    """
+
+    def check(self, arr: Any, where: str) -> tuple[Any, Any]:
+        return arr, None
+
+    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+        raise NotImplementedError
+
+    def pack(self, arr: Any, meta: Any) -> Any:
+        return arr.reshape(1, arr.size)
+
+    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+        raise NotImplementedError
+
+    def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self, out: Any, meta: Any) -> Any:
+        return out
+
+    def needs_finish(self, meta: Any) -> bool:
+        """False when ``finish`` returns its input (an async result needs no chaining)."""
+        return False
+
+    def local(self, arr: Any, meta: Any) -> Any:
+        """The result over no axes at all (an empty axis tuple): the leaf, copied."""
+        return arr.copy()
+
+
+@dataclass
+class _Transfer:
+    leaves: tuple[int, ...]
+    start: Callable[[bool], Any]
+    split: Callable[[Any], list[Any]]
+
+
+def _direct(kernel: Kernel, group: ProcessGroup, arr: Any, meta: Any) -> _Transfer:
+    def start(async_op: bool) -> Any:
+        return kernel.direct(group, arr, meta, async_op)
+
+    def split(result: Any) -> list[Any]:
+        return [kernel.finish(result, meta)]
+
+    return _Transfer((), start, split)
+
+
+def _packed(kernel: Kernel, group: ProcessGroup, arrays: list[Any], metas: list[Any]) -> _Transfer:
+    xp = array_namespace(arrays[0])
+    blocks = [kernel.pack(a, m) for a, m in zip(arrays, metas, strict=True)]
+    buf = xp.concatenate(blocks, axis=1)
+    cuts, off = [], 0
+    for b in blocks:
+        cuts.append(slice(off, off + int(b.shape[1])))
+        off += int(b.shape[1])
+
+    def start(async_op: bool) -> Any:
+        return kernel.call(group, buf, async_op)
+
+    def split(result: Any) -> list[Any]:
+        return [
+            kernel.finish(kernel.unpack(result, c, m), m) for c, m in zip(cuts, metas, strict=True)
+        ]
+
+    return _Transfer((), start, split)
+
+
+def _plan(
+    kernel: Kernel, group: ProcessGroup, arrays: list[Any], metas: list[Any]
+) -> list[_Transfer]:
+    """One transfer per (array library, dtype), in order of first appearance."""
+    buckets: dict[tuple[str, str], list[int]] = {}
+    for i, arr in enumerate(arrays):
+        key = (array_namespace(arr).__name__, np.dtype(arr.dtype).str)
+        buckets.setdefault(key, []).append(i)
+    transfers = []
+    for idx in buckets.values():
+        if len(idx) == 1:
+            t = _direct(kernel, group, arrays[idx[0]], metas[idx[0]])
+        else:
+            t = _packed(kernel, group, [arrays[i] for i in idx], [metas[i] for i in idx])
+        t.leaves = tuple(idx)
+        transfers.append(t)
+    return transfers
+
+
+def run(
+    kernel: Kernel,
+    x: Any,
+    where: str,
+    group_of: Callable[[], ProcessGroup | None],
+    async_op: bool,
+) -> Any:
+    """Apply ``kernel`` to every leaf of ``x``: check all leaves, then move them.
+
+    Args:
+        kernel: the op.
+        x: a pytree.
+        where: the op, axis and rank, for error messages and Work labels.
+        group_of: returns the axis group (None: no axes, each leaf is copied); called after
+            every check passed, as it may make the group (I/O).
+        async_op: return a :class:`~meshcomm.work.Work` whose ``wait()`` gives the tree.
+
+    Returns:
+        A pytree of ``x``'s structure holding the results, or a Work.
+    """
+    if x is not None and not isinstance(x, (dict, list, tuple)):
+        return _run_leaf(kernel, x, where, group_of, async_op)
+    leaves, treedef = tree_flatten(x)
+    arrays, metas = [], []
+    for leaf in leaves:
+        arr, meta = kernel.check(as_leaf(leaf, where), where)
+        arrays.append(arr)
+        metas.append(meta)
+    group = group_of()
+    outs: list[Any]
+    if group is None:
+        outs = [kernel.local(a, m) for a, m in zip(arrays, metas, strict=True)]
+        return _done(where, tree_unflatten(treedef, outs)) if async_op else _rebuild(treedef, outs)
+    transfers = _plan(kernel, group, arrays, metas)
+    if not async_op:
+        outs = [None] * len(arrays)
+        for t in transfers:
+            for i, v in zip(t.leaves, t.split(t.start(False)), strict=True):
+                outs[i] = v
+        return _rebuild(treedef, outs)
+    works = [t.start(True) for t in transfers]
+    return _combine(where, works, transfers, treedef, len(arrays))
+
+
+def _run_leaf(
+    kernel: Kernel,
+    x: Any,
+    where: str,
+    group_of: Callable[[], ProcessGroup | None],
+    async_op: bool,
+) -> Any:
+    """The common case, one array: no tree, no packing, at most one chained Work."""
+    arr, meta = kernel.check(as_leaf(x, where), where)
+    group = group_of()
+    if group is None:
+        out = kernel.local(arr, meta)
+        return _done(where, out) if async_op else out
+    result = kernel.direct(group, arr, meta, async_op)
+    if not async_op:
+        return kernel.finish(result, meta)
+    if not kernel.needs_finish(meta):
+        return result
+    chained: Work[Any] = Work(where)
+
+    def settle(_f: Any) -> None:
+        future = chained.get_future()
+        try:
+            value = kernel.finish(result.get_future().result(), meta)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+
+    result.get_future().add_done_callback(settle)
+    return chained
+
+
+def _rebuild(treedef: TreeDef, outs: list[Any]) -> Any:
+    return tree_unflatten(treedef, outs)
+
+
+def _done(where: str, value: Any) -> Work[Any]:
+    work: Work[Any] = Work(where)
+    work.get_future().set_result(value)
+    return work
+
+
+def _combine(
+    where: str,
+    works: list[Work[Any]],
+    transfers: list[_Transfer],
+    treedef: TreeDef,
+    n: int,
+) -> Work[Any]:
+    """One Work that completes when every transfer's Work has, with the rebuilt tree."""
+    out: Work[Any] = Work(where)
+    if not works:
+        out.get_future().set_result(tree_unflatten(treedef, []))
+        return out
+    lock = threading.Lock()
+    pending = [len(works)]
+
+    def one_done(_f: Any) -> None:
+        with lock:
+            pending[0] -= 1
+            last = pending[0] == 0
+        if last:
+            _settle(out, works, transfers, treedef, n)
+
+    for w in works:
+        w.get_future().add_done_callback(one_done)
+    return out
+
+
+def _settle(
+    out: Work[Any], works: list[Work[Any]], transfers: list[_Transfer], treedef: TreeDef, n: int
+) -> None:
+    # Runs on the progress thread (or the caller's, if everything had finished): only
+    # local work here, never a wait on another operation.
+    future = out.get_future()
+    try:
+        outs: list[Any] = [None] * n
+        for w, t in zip(works, transfers, strict=True):
+            for i, v in zip(t.leaves, t.split(w.get_future().result()), strict=True):
+                outs[i] = v
+        value = tree_unflatten(treedef, outs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
