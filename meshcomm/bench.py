@@ -261,7 +261,7 @@ def run_sweep(group: Any, args: argparse.Namespace) -> list[BenchRow]:
         if sys.stderr.isatty():
             print(file=sys.stderr)
         if args.json:
-            print(json.dumps([asdict(r) for r in rows], indent=1))
+            print(json.dumps([asdict(r) for r in rows]))
         else:
             avg = sum(r.busbw for r in rows) / max(1, len(rows))
             wrong = sum(r.wrong for r in rows)
