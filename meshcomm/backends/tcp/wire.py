@@ -1,0 +1,633 @@
+"""The tcp backend's wire protocol, with no I/O at all (the h11 model).
+
+A connection starts with one handshake message each way, then carries data frames::
+
+    handshake (36 bytes + reason)   magic "MCTP", version u16, kind u8 (HELLO, ACCEPT, REJECT),
+                                    flags u8, sender's global rank u32, world size u32,
+                                    reason length u16, 2 pad bytes, job token (16 bytes),
+                                    then the UTF-8 reason of a REJECT
+    frame header (32 bytes + meta)  marker "mc", kind u8 (DATA, ARRAY, GOODBYE), flags u8,
+                                    meta length u16, 2 reserved bytes, communicator id u64,
+                                    tag i64, payload length u64; then the metadata
+                                    (ARRAY only: dtype name and shape), then the payload
+
+Everything is little-endian. The connecting side sends HELLO; the accepting side answers
+ACCEPT or REJECT (with a reason). Negative tags are reserved for meshcomm's own traffic.
+
+:class:`Decoder` takes bytes in any split and returns events one at a time. After a
+:class:`FrameHeader` event the caller names the buffer the payload goes to
+(:meth:`Decoder.set_target`); :meth:`Decoder.recv_view` then hands out that buffer itself, so
+large payloads are received with ``recv_into`` straight into their destination.
+
+Example:
+    >>> token = bytes(16)
+    >>> dec = Decoder()
+    >>> dec.receive_data(encode_hello(HELLO, rank=1, world_size=2, token=token))
+    >>> dec.receive_data(encode_header(DATA, comm_id=7, tag=-1, length=3) + b"abc")
+    >>> dec.next_event().rank
+    1
+    >>> header = dec.next_event(); (header.comm_id, header.tag, header.length)
+    (7, -1, 3)
+    >>> payload = bytearray(header.length); dec.set_target(memoryview(payload))
+    >>> dec.next_event() is PAYLOAD_DONE, bytes(payload)
+    (True, b'abc')
+    >>> dec.next_event() is NEED_DATA
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshcomm.errors import ProtocolError
+
+__all__ = [
+    "ARRAY",
+    "DATA",
+    "GOODBYE",
+    "HANDSHAKE_SIZE",
+    "HEADER_SIZE",
+    "HELLO",
+    "ACCEPT",
+    "REJECT",
+    "MAGIC",
+    "MAX_META",
+    "MAX_PAYLOAD",
+    "MAX_REASON",
+    "NEED_DATA",
+    "PAYLOAD_DONE",
+    "TOKEN_SIZE",
+    "VERSION",
+    "Decoder",
+    "FrameHeader",
+    "Hello",
+    "check_hello",
+    "decode_array_meta",
+    "dtype_from_wire",
+    "dtype_to_wire",
+    "encode_array_meta",
+    "encode_header",
+    "encode_hello",
+    "pack_data_header",
+]
+
+MAGIC = b"MCTP"
+VERSION = 1
+TOKEN_SIZE = 16
+
+# Handshake kinds.
+HELLO = 1
+ACCEPT = 2
+REJECT = 3
+_HANDSHAKE_KINDS = {HELLO: "HELLO", ACCEPT: "ACCEPT", REJECT: "REJECT"}
+
+# Frame kinds.
+DATA = 1  # raw bytes of a Link exchange
+ARRAY = 2  # an array for send/recv: metadata carries dtype and shape
+GOODBYE = 3  # the sender closed its communicator on purpose; EOF follows
+_FRAME_KINDS = {DATA: "DATA", ARRAY: "ARRAY", GOODBYE: "GOODBYE"}
+
+_HANDSHAKE = struct.Struct("<4sHBBIIH2x16s")
+_HEADER = struct.Struct("<2sBBHHQqQ")
+_FRAME_MARKER = b"mc"
+_U8 = struct.Struct("<B")
+_U64 = struct.Struct("<Q")
+
+HANDSHAKE_SIZE = _HANDSHAKE.size  # 36
+HEADER_SIZE = _HEADER.size  # 32
+#: Largest REJECT reason, in bytes.
+MAX_REASON = 1024
+#: Largest frame metadata, in bytes (a dtype name and up to 64 dimensions fit easily).
+MAX_META = 1024
+#: Largest payload a frame may announce (1 PiB): anything above is corruption.
+MAX_PAYLOAD = 1 << 50
+_MAX_NDIM = 64
+
+# Payloads whose unreceived rest is at least this long are received straight into the
+# target; shorter ones go through the internal buffer with the frames that follow them.
+_DIRECT_MIN = 64 * 1024
+_MIN_FREE = 16 * 1024
+_EMPTY = memoryview(bytearray(0))
+
+
+class _Marker:
+    """A named singleton returned by :meth:`Decoder.next_event`."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: :meth:`Decoder.next_event` needs more bytes before it can return another event.
+NEED_DATA = _Marker("NEED_DATA")
+#: The payload of the last :class:`FrameHeader` is now complete in its target.
+PAYLOAD_DONE = _Marker("PAYLOAD_DONE")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A handshake message: HELLO (connector), ACCEPT or REJECT (acceptor's answer).
+
+    Attributes:
+        kind: HELLO, ACCEPT or REJECT.
+        version: the sender's protocol version.
+        rank: the sender's global rank.
+        world_size: the sender's world size.
+        token: the sender's job token.
+        reason: why a REJECT rejected (empty otherwise).
+    """
+
+    kind: int
+    version: int
+    rank: int
+    world_size: int
+    token: bytes
+    reason: str = ""
+
+
+class FrameHeader:
+    """The header of a data frame; its payload follows (see :meth:`Decoder.set_target`).
+
+    Attributes:
+        kind: DATA, ARRAY or GOODBYE.
+        comm_id: the communicator the frame belongs to.
+        tag: the message tag (negative: meshcomm internal).
+        length: payload bytes.
+        dtype: the array's dtype (ARRAY frames), else None.
+        shape: the array's shape (ARRAY frames), else None.
+    """
+
+    __slots__ = ("comm_id", "dtype", "kind", "length", "shape", "tag")
+
+    def __init__(
+        self,
+        kind: int,
+        comm_id: int,
+        tag: int,
+        length: int,
+        dtype: np.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.comm_id = comm_id
+        self.tag = tag
+        self.length = length
+        self.dtype = dtype
+        self.shape = shape
+
+    def __repr__(self) -> str:
+        kind = _FRAME_KINDS.get(self.kind, str(self.kind))
+        extra = "" if self.dtype is None else f", dtype={self.dtype.name}, shape={self.shape}"
+        return (
+            f"FrameHeader({kind}, comm_id={self.comm_id}, tag={self.tag}, "
+            f"length={self.length}{extra})"
+        )
+
+
+# -- dtypes ----------------------------------------------------------------------------------
+
+# ml_dtypes types travel by name (their dtype.str is "<V2" and says nothing); the list is
+# closed on purpose so a peer can never make us build an arbitrary dtype.
+_ML_NAMES = (
+    "bfloat16",
+    "float4_e2m1fn",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "int2",
+    "int4",
+    "uint2",
+    "uint4",
+)
+
+
+def _ml_dtypes_table() -> dict[str, np.dtype]:
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes is a core dependency
+        return {}
+    return {n: np.dtype(getattr(ml_dtypes, n)) for n in _ML_NAMES if hasattr(ml_dtypes, n)}
+
+
+_ML_DTYPES = _ml_dtypes_table()
+_ML_BY_DTYPE = {dt: name for name, dt in _ML_DTYPES.items()}
+
+
+def dtype_to_wire(dtype: np.dtype | type | str) -> str:
+    """Return the wire name of a dtype: ``dtype.str`` for numpy numbers, the name for ml_dtypes.
+
+    Raises:
+        TypeError: the dtype cannot travel (object, structured, string, datetime, void).
+
+    Example:
+        >>> dtype_to_wire(np.float32), dtype_to_wire("bfloat16")
+        ('<f4', 'bfloat16')
+    """
+    if isinstance(dtype, str) and dtype in _ML_DTYPES:
+        return dtype
+    dt = np.dtype(dtype)
+    name = _ML_BY_DTYPE.get(dt)
+    if name is not None and dt.name == name:
+        return name
+    if dt.kind in "biufc" and dt.fields is None and dt.subdtype is None:
+        return dt.str
+    raise TypeError(
+        f"dtype {dt} cannot be sent: only bool, integer, float, complex and ml_dtypes "
+        f"({', '.join(sorted(_ML_DTYPES))}) arrays travel"
+    )
+
+
+def dtype_from_wire(name: str) -> np.dtype:
+    """Return the dtype a wire name stands for.
+
+    Raises:
+        ProtocolError: the name is not one :func:`dtype_to_wire` produces.
+
+    Example:
+        >>> dtype_from_wire("<i8")
+        dtype('int64')
+    """
+    found = _ML_DTYPES.get(name)
+    if found is not None:
+        return found
+    if 3 <= len(name) <= 4 and name[0] in "<>|" and name[1] in "biufc" and name[2:].isdigit():
+        try:
+            dt = np.dtype(name)
+        except TypeError:
+            dt = None
+        if dt is not None and dt.str == name and dt not in _ML_BY_DTYPE:
+            return dt
+    raise ProtocolError(f"unknown dtype {name!r} in an ARRAY frame")
+
+
+def encode_array_meta(dtype: np.dtype | type | str, shape: Sequence[int]) -> bytes:
+    """Encode an ARRAY frame's metadata: dtype name, then the shape.
+
+    Raises:
+        TypeError: the dtype cannot travel.
+        ValueError: more than 64 dimensions, or a negative dimension.
+
+    Example:
+        >>> decode_array_meta(encode_array_meta("<f4", (2, 3)))
+        (dtype('float32'), (2, 3))
+    """
+    name = dtype_to_wire(dtype).encode("ascii")
+    if len(shape) > _MAX_NDIM:
+        raise ValueError(f"arrays sent may have at most {_MAX_NDIM} dimensions, got {len(shape)}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"array shape must not be negative, got {tuple(shape)}")
+    dims = struct.pack(f"<{len(shape)}Q", *shape)
+    return _U8.pack(len(name)) + name + _U8.pack(len(shape)) + dims
+
+
+def decode_array_meta(meta: bytes | bytearray | memoryview) -> tuple[np.dtype, tuple[int, ...]]:
+    """Decode what :func:`encode_array_meta` wrote.
+
+    Raises:
+        ProtocolError: the metadata is malformed (lengths, dtype name, dimensions).
+    """
+    meta = bytes(meta)
+    if len(meta) < 2:
+        raise ProtocolError(f"ARRAY metadata of {len(meta)} bytes is too short")
+    name_len = meta[0]
+    if len(meta) < 2 + name_len:
+        raise ProtocolError(
+            f"ARRAY metadata of {len(meta)} bytes is too short for a dtype name of {name_len}"
+        )
+    try:
+        name = meta[1 : 1 + name_len].decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("ARRAY metadata: dtype name is not ASCII") from exc
+    dtype = dtype_from_wire(name)
+    ndim = meta[1 + name_len]
+    dims_at = 2 + name_len
+    if ndim > _MAX_NDIM or len(meta) != dims_at + 8 * ndim:
+        raise ProtocolError(
+            f"ARRAY metadata: {ndim} dimensions need {dims_at + 8 * ndim} bytes, got {len(meta)}"
+        )
+    shape = struct.unpack_from(f"<{ndim}Q", meta, dims_at)
+    return dtype, tuple(shape)
+
+
+# -- encoding --------------------------------------------------------------------------------
+
+
+def encode_hello(kind: int, *, rank: int, world_size: int, token: bytes, reason: str = "") -> bytes:
+    """Encode a handshake message (HELLO, ACCEPT, or REJECT with a reason).
+
+    Example:
+        >>> len(encode_hello(HELLO, rank=0, world_size=2, token=bytes(16)))
+        36
+    """
+    if kind not in _HANDSHAKE_KINDS:
+        raise ValueError(f"handshake kind must be HELLO, ACCEPT or REJECT, got {kind}")
+    if len(token) != TOKEN_SIZE:
+        raise ValueError(f"job token must have {TOKEN_SIZE} bytes, got {len(token)}")
+    raw_reason = reason.encode()[:MAX_REASON] if kind == REJECT else b""
+    head = _HANDSHAKE.pack(MAGIC, VERSION, kind, 0, rank, world_size, len(raw_reason), token)
+    return head + raw_reason
+
+
+def encode_header(kind: int, *, comm_id: int, tag: int, length: int, meta: bytes = b"") -> bytes:
+    """Encode a frame header and its metadata; the payload (``length`` bytes) follows it.
+
+    Example:
+        >>> len(encode_header(DATA, comm_id=1, tag=0, length=8))
+        32
+    """
+    return _HEADER.pack(_FRAME_MARKER, kind, 0, len(meta), 0, comm_id, tag, length) + meta
+
+
+def pack_data_header(comm_id: int, tag: int, length: int) -> bytes:
+    """Encode a DATA frame header (the hot path of every Link exchange)."""
+    return _HEADER.pack(_FRAME_MARKER, DATA, 0, 0, 0, comm_id, tag, length)
+
+
+def check_hello(
+    hello: Hello,
+    *,
+    kinds: Sequence[int],
+    token: bytes,
+    world_size: int,
+    peer: str,
+    expect_rank: int | None = None,
+) -> None:
+    """Check a peer's handshake against this job; raise ``ProtocolError`` saying what differs.
+
+    Args:
+        hello: the decoded handshake.
+        kinds: the handshake kinds allowed at this point.
+        token: this job's token.
+        world_size: this job's world size.
+        peer: how to name the peer in messages (an address or a rank).
+        expect_rank: the global rank the peer must have, if known.
+
+    Example:
+        >>> h = Hello(HELLO, VERSION, rank=1, world_size=2, token=bytes(16))
+        >>> check_hello(h, kinds=[HELLO], token=bytes(16), world_size=2, peer="x")
+    """
+    if hello.kind not in kinds:
+        wanted = " or ".join(_HANDSHAKE_KINDS[k] for k in kinds)
+        got = _HANDSHAKE_KINDS.get(hello.kind, str(hello.kind))
+        raise ProtocolError(f"handshake from {peer}: expected {wanted}, got {got}")
+    if hello.token != token:
+        raise ProtocolError(
+            f"handshake from {peer}: job token {hello.token.hex()} differs from this job's "
+            f"{token.hex()} (a process of another or an earlier job)"
+        )
+    if hello.world_size != world_size:
+        raise ProtocolError(
+            f"handshake from {peer}: world size {hello.world_size} differs from this "
+            f"job's {world_size}"
+        )
+    if expect_rank is not None and hello.rank != expect_rank:
+        raise ProtocolError(
+            f"handshake from {peer}: it says it is rank {hello.rank}, expected rank {expect_rank}"
+        )
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+_S_HELLO = 0
+_S_HEADER = 1
+_S_TARGET = 2
+_S_PAYLOAD = 3
+_S_ERROR = 4
+
+
+class Decoder:
+    """Incremental decoder of one connection's incoming bytes: a handshake, then frames.
+
+    Feed bytes with :meth:`receive_data` (copies) or :meth:`recv_view` + :meth:`commit`
+    (``sock.recv_into`` with no copy), then call :meth:`next_event` until it returns
+    :data:`NEED_DATA`. Events: :class:`Hello` (first), :class:`FrameHeader`, after which
+    :meth:`set_target` must name the payload's buffer, and :data:`PAYLOAD_DONE`.
+
+    Args:
+        bufsize: initial size of the internal buffer.
+        handshake: whether a handshake message comes first (False: frames only).
+
+    Raises:
+        ProtocolError: from :meth:`next_event` on malformed input; the decoder then stays
+            broken and raises the same error again.
+    """
+
+    def __init__(self, bufsize: int = 64 * 1024, *, handshake: bool = True) -> None:
+        self._buf = bytearray(max(bufsize, HANDSHAKE_SIZE + MAX_REASON, HEADER_SIZE + MAX_META))
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._state = _S_HELLO if handshake else _S_HEADER
+        self._header: FrameHeader | None = None
+        self._target = _EMPTY
+        self._filled = 0
+        self._remaining = 0
+        self._direct = False
+        self._error: ProtocolError | None = None
+
+    # -- feeding ---------------------------------------------------------------------------
+    def recv_view(self) -> memoryview:
+        """Return writable memory for the next ``recv_into``; then call :meth:`commit`.
+
+        While a large payload is pending and no buffered bytes are left, this is the
+        payload's own target buffer, so the bytes land where they belong.
+        """
+        if (
+            self._state == _S_PAYLOAD
+            and self._start == self._end
+            and self._remaining >= _DIRECT_MIN
+        ):
+            self._direct = True
+            return self._target[self._filled :]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < _MIN_FREE:
+            self._compact(_MIN_FREE)
+        return self._view[self._end :]
+
+    def commit(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the last :meth:`recv_view`."""
+        if self._direct:
+            self._filled += nbytes
+            self._remaining -= nbytes
+            self._direct = False
+        else:
+            self._end += nbytes
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data`` to the bytes waiting to be decoded (copies it)."""
+        data = memoryview(data).cast("B")
+        if len(self._buf) - self._end < len(data):
+            self._compact(len(data))
+        self._view[self._end : self._end + len(data)] = data
+        self._end += len(data)
+
+    def _compact(self, free: int) -> None:
+        # Move the unparsed bytes to the front, into a larger buffer when they would not fit.
+        pending = self._end - self._start
+        if len(self._buf) - pending >= free:
+            self._view[:pending] = self._view[self._start : self._end]
+        else:
+            new = bytearray(max(2 * len(self._buf), pending + free))
+            new[:pending] = self._view[self._start : self._end]
+            self._view.release()
+            self._buf = new
+            self._view = memoryview(new)
+        self._start = 0
+        self._end = pending
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet decoded."""
+        return self._end - self._start
+
+    @property
+    def in_frame(self) -> bool:
+        """Whether a frame is partly decoded (EOF now would cut it)."""
+        return self._state in (_S_TARGET, _S_PAYLOAD) or self._end > self._start
+
+    # -- payload target ----------------------------------------------------------------------
+    def set_target(self, target: memoryview) -> None:
+        """Name the buffer (exactly the frame's length, format "B") its payload goes to."""
+        if self._state != _S_TARGET or self._header is None:
+            raise RuntimeError("set_target() is only valid right after a FrameHeader event")
+        if len(target) != self._header.length:
+            raise ValueError(
+                f"payload target has {len(target)} bytes, the frame has {self._header.length}"
+            )
+        self._target = target
+        self._filled = 0
+        self._remaining = self._header.length
+        self._state = _S_PAYLOAD
+
+    # -- events ------------------------------------------------------------------------------
+    def next_event(self) -> Hello | FrameHeader | _Marker:
+        """Decode the next event, or return :data:`NEED_DATA`.
+
+        Raises:
+            ProtocolError: the bytes are not a valid handshake or frame.
+            RuntimeError: a FrameHeader's payload target was not set.
+        """
+        state = self._state
+        if state == _S_PAYLOAD:
+            return self._payload()
+        if state == _S_HEADER:
+            return self._frame_header()
+        if state == _S_HELLO:
+            return self._hello()
+        if state == _S_TARGET:
+            raise RuntimeError("call set_target() for the last FrameHeader before next_event()")
+        raise self._error or ProtocolError("decoder is broken")
+
+    def _fail(self, message: str) -> ProtocolError:
+        self._state = _S_ERROR
+        self._error = ProtocolError(message)
+        return self._error
+
+    def _payload(self) -> _Marker:
+        avail = self._end - self._start
+        if avail and self._remaining:
+            n = min(avail, self._remaining)
+            self._target[self._filled : self._filled + n] = self._view[
+                self._start : self._start + n
+            ]
+            self._start += n
+            self._filled += n
+            self._remaining -= n
+        if self._remaining:
+            return NEED_DATA
+        self._state = _S_HEADER
+        self._target = _EMPTY
+        self._header = None
+        return PAYLOAD_DONE
+
+    def _frame_header(self) -> FrameHeader | _Marker:
+        start = self._start
+        if self._end - start < HEADER_SIZE:
+            if self._end - start >= 2 and self._buf[start : start + 2] != _FRAME_MARKER:
+                raise self._fail(f"bad frame marker {bytes(self._buf[start : start + 2])!r}")
+            return NEED_DATA
+        marker, kind, flags, meta_len, reserved, comm_id, tag, length = _HEADER.unpack_from(
+            self._buf, start
+        )
+        if marker != _FRAME_MARKER:
+            raise self._fail(f"bad frame marker {marker!r}, expected {_FRAME_MARKER!r}")
+        if kind not in _FRAME_KINDS:
+            raise self._fail(f"unknown frame kind {kind}")
+        if flags or reserved:
+            raise self._fail(f"frame flags {flags} and reserved {reserved} must be 0")
+        if meta_len > MAX_META:
+            raise self._fail(f"frame metadata of {meta_len} bytes exceeds {MAX_META}")
+        if length > MAX_PAYLOAD:
+            raise self._fail(f"frame payload of {length} bytes exceeds {MAX_PAYLOAD}")
+        if kind != ARRAY and meta_len:
+            raise self._fail(f"{_FRAME_KINDS[kind]} frames carry no metadata, got {meta_len}")
+        if kind == GOODBYE and length:
+            raise self._fail(f"GOODBYE frames carry no payload, got {length} bytes")
+        if self._end - start < HEADER_SIZE + meta_len:
+            return NEED_DATA
+        header = FrameHeader(kind, comm_id, tag, length)
+        if kind == ARRAY:
+            meta = self._view[start + HEADER_SIZE : start + HEADER_SIZE + meta_len]
+            try:
+                dtype, shape = decode_array_meta(meta)
+            except ProtocolError as exc:
+                raise self._fail(str(exc)) from None
+            expected = math.prod(shape) * dtype.itemsize
+            if expected != length:
+                raise self._fail(
+                    f"ARRAY frame of {dtype.name} {shape} needs {expected} bytes, "
+                    f"header says {length}"
+                )
+            header.dtype = dtype
+            header.shape = shape
+        self._start = start + HEADER_SIZE + meta_len
+        self._header = header
+        self._state = _S_TARGET
+        return header
+
+    def _hello(self) -> Hello | _Marker:
+        start = self._start
+        avail = self._end - start
+        have = min(avail, len(MAGIC))
+        if self._buf[start : start + have] != MAGIC[:have]:
+            got = bytes(self._buf[start : start + have])
+            raise self._fail(f"bad magic {got!r}, expected {MAGIC!r}: not a meshcomm tcp peer")
+        if avail < HANDSHAKE_SIZE:
+            return NEED_DATA
+        _, version, kind, flags, rank, world, reason_len, token = _HANDSHAKE.unpack_from(
+            self._buf, start
+        )
+        if version != VERSION:
+            raise self._fail(f"protocol version {version} differs from this side's {VERSION}")
+        if kind not in _HANDSHAKE_KINDS:
+            raise self._fail(f"unknown handshake kind {kind}")
+        if flags:
+            raise self._fail(f"handshake flags {flags} must be 0")
+        if reason_len > MAX_REASON or (reason_len and kind != REJECT):
+            raise self._fail(f"handshake reason of {reason_len} bytes is not allowed here")
+        if world < 1 or rank >= world:
+            raise self._fail(f"handshake rank {rank} is outside a world of {world}")
+        if avail < HANDSHAKE_SIZE + reason_len:
+            return NEED_DATA
+        raw = bytes(self._buf[start + HANDSHAKE_SIZE : start + HANDSHAKE_SIZE + reason_len])
+        self._start = start + HANDSHAKE_SIZE + reason_len
+        self._state = _S_HEADER
+        return Hello(kind, version, rank, world, bytes(token), raw.decode(errors="replace"))

@@ -1,0 +1,179 @@
+"""Faults over real processes: a rank killed (SIGKILL) or frozen (SIGSTOP) mid-collective.
+
+Survivors must raise the right error naming the right rank within ``timeout + 2 s``, and
+every later call must fail fast with the original reason.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshcomm.backends.tcp import TcpCommunicator
+from meshcomm.errors import CommError
+from meshcomm.reduction import ReduceOp
+from meshcomm.store import StoreServer, TCPStore
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
+
+TIMEOUT = 3.0
+SLACK = 2.0
+
+
+def _child(name: str, rank: int, size: int, port: int, out: Any, release: Any, args: tuple) -> None:
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    comm = TcpCommunicator.create_world(rank, size, store, TIMEOUT)
+    try:
+        out.put((rank, "ok", globals()[name](comm, store, *args)))
+    except BaseException as exc:
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    # Survivors keep their sockets open until every survivor has answered, so that one
+    # survivor's exit is never what another one observes.
+    release.wait(60)
+    comm.close()
+    store.close()
+
+
+def _freeze_or_die(store: Any, how: str) -> None:
+    store.set("test/fault_at", repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    time.sleep(60)  # after SIGCONT: wait to be killed
+
+
+def _failure(comm: TcpCommunicator, exc: CommError, started: float) -> dict[str, Any]:
+    report = {
+        "type": type(exc).__name__,
+        "rank": getattr(exc, "rank", None),
+        "message": str(exc),
+        "at": time.time(),
+        "elapsed": time.monotonic() - started,
+        "connected": comm.transport.connected_peers,
+    }
+    # Fail fast afterwards, on this communicator and on one made before the failure.
+    for other in (comm, comm.sub(list(range(comm.size)))):
+        t0 = time.monotonic()
+        try:
+            other.barrier()
+        except CommError as again:
+            report.setdefault("again", []).append(
+                (type(again).__name__, str(again), time.monotonic() - t0)
+            )
+    return report
+
+
+def ring_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
+    """Ring exchanges (send right, receive left) until the victim kills or stops itself."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    send = np.full(64 << 10, comm.rank, np.uint8)
+    recv = np.empty_like(send)
+    for step in range(10_000):
+        if comm.rank == victim and step == 20:
+            _freeze_or_die(store, how)
+        started = time.monotonic()
+        try:
+            comm.link.exchange([(right, send)], [(left, recv)])
+        except CommError as exc:
+            return _failure(comm, exc, started)
+    return "never failed"
+
+
+def all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
+    """Large all_reduces (ring algorithm, many steps each) until the victim dies."""
+    buf = np.ones(1 << 20, np.float32)
+    for step in range(10_000):
+        if comm.rank == victim and step == 3:
+            _freeze_or_die(store, how)
+        started = time.monotonic()
+        try:
+            comm.all_reduce(buf, ReduceOp.SUM)
+            buf[:] = 1
+        except CommError as exc:
+            return _failure(comm, exc, started)
+    return "never failed"
+
+
+def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, Any], float]:
+    """Run ``name`` on ``size`` ranks; return the survivors' reports and the fault's time."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    release = ctx.Event()
+    with StoreServer("127.0.0.1", 0) as server:
+        procs = [
+            ctx.Process(
+                target=_child, args=(name, r, size, server.port, out, release, (victim, how))
+            )
+            for r in range(size)
+        ]
+        for p in procs:
+            p.start()
+        reports: dict[int, Any] = {}
+        try:
+            deadline = time.monotonic() + 60 + TIMEOUT
+            while len(reports) < size - 1:
+                rank, status, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
+                assert status == "ok", f"rank {rank}: {value}"
+                reports[rank] = value
+            client = TCPStore("127.0.0.1", server.port, timeout=10)
+            fault_at = float(client.get("test/fault_at"))
+            client.close()
+        except queue.Empty:
+            pytest.fail(f"survivors {sorted(set(range(size)) - {victim} - set(reports))} hung")
+        finally:
+            release.set()
+            victim_proc = procs[victim]
+            if victim_proc.pid is not None and victim_proc.is_alive():
+                os.kill(victim_proc.pid, signal.SIGCONT)
+                victim_proc.kill()
+            for p in procs:
+                p.join(15)
+                if p.is_alive():
+                    p.kill()
+    return reports, fault_at
+
+
+def check_fail_fast(report: dict[str, Any]) -> None:
+    assert len(report["again"]) == 2
+    for kind, message, seconds in report["again"]:
+        assert kind == report["type"]
+        assert "already failed" in message and report["message"] in message
+        assert seconds < 0.5
+
+
+def test_sigkill_mid_ring_reaches_every_survivor() -> None:
+    reports, died_at = run_fault("ring_until_failure", 4, victim=3, how="kill")
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
+        assert report["type"] == "PeerError", (rank, report)
+        assert report["rank"] == 3, (rank, report)
+        assert report["at"] - died_at <= TIMEOUT + SLACK, (rank, report)
+        check_fail_fast(report)
+    # Rank 1 never talked to rank 3: it learned of the death from the abort record.
+    assert 3 not in reports[1]["connected"]
+    assert "another rank reported" in reports[1]["message"]
+    assert "rank 3 died" in reports[1]["message"]
+
+
+def test_sigkill_mid_all_reduce() -> None:
+    reports, died_at = run_fault("all_reduce_until_failure", 3, victim=1, how="kill")
+    for rank, report in reports.items():
+        assert (report["type"], report["rank"]) == ("PeerError", 1), (rank, report)
+        assert report["at"] - died_at <= TIMEOUT + SLACK
+        check_fail_fast(report)
+
+
+def test_sigstop_makes_survivors_time_out() -> None:
+    reports, _ = run_fault("ring_until_failure", 3, victim=2, how="stop")
+    assert sorted(reports) == [0, 1]
+    for rank, report in reports.items():
+        assert report["type"] == "CommTimeout", (rank, report)
+        assert TIMEOUT <= report["elapsed"] <= TIMEOUT + SLACK, (rank, report)
+        assert "no progress for 3 s" in report["message"]
+        check_fail_fast(report)
