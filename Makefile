@@ -33,7 +33,7 @@ $(VENV)/.bench: $(VENV)/.dev
 venv: $(VENV)/.dev
 
 demo: $(VENV)/.core
-	$(VENV)/bin/meshrun --nproc-per-node $(NPROC) examples/demo.py
+	$(VENV)/bin/meshrun --nproc-per-node $(NPROC) examples/tour.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check meshcomm tests examples bench
