@@ -38,12 +38,15 @@ from meshcomm.errors import (
     StoreTimeout,
 )
 
+# Eager on purpose: the function ``spawn`` shares its name with its module, and a lazy
+# binding would be replaced by the module the first time anything imports meshcomm.spawn.
+from meshcomm.spawn import SpawnContext, spawn
+
 if TYPE_CHECKING:
-    from meshcomm import ops
+    from meshcomm import distributed, ops
     from meshcomm.group import ProcessGroup, Work, new_group
     from meshcomm.mesh import DeviceMesh, current_mesh, init_device_mesh
     from meshcomm.reduction import ReduceOp
-    from meshcomm.spawn import SpawnContext, spawn
     from meshcomm.store import FileStore, HashStore, PrefixStore, Store, TCPStore
     from meshcomm.world import get_world, get_world_info, init, is_initialized, shutdown
 
@@ -52,6 +55,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved by __getattr__ on first access.
 _LAZY = {
     "ops": "meshcomm.ops",
+    "distributed": "meshcomm.distributed",
     "DeviceMesh": "meshcomm.mesh",
     "current_mesh": "meshcomm.mesh",
     "init_device_mesh": "meshcomm.mesh",
@@ -59,8 +63,6 @@ _LAZY = {
     "Work": "meshcomm.group",
     "new_group": "meshcomm.group",
     "ReduceOp": "meshcomm.reduction",
-    "SpawnContext": "meshcomm.spawn",
-    "spawn": "meshcomm.spawn",
     "Store": "meshcomm.store",
     "TCPStore": "meshcomm.store",
     "FileStore": "meshcomm.store",
@@ -72,6 +74,8 @@ _LAZY = {
     "is_initialized": "meshcomm.world",
     "shutdown": "meshcomm.world",
 }
+
+_SUBMODULES = frozenset({"ops", "distributed"})
 
 __all__ = [
     "CommError",
@@ -99,6 +103,7 @@ __all__ = [
     "Work",
     "__version__",
     "current_mesh",
+    "distributed",
     "get_world",
     "get_world_info",
     "init",
@@ -116,7 +121,7 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
     module = importlib.import_module(module_name)
-    value = module if module_name == f"meshcomm.{name}" else getattr(module, name)
+    value = module if name in _SUBMODULES else getattr(module, name)
     globals()[name] = value
     return value
 

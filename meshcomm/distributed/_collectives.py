@@ -1,0 +1,573 @@
+"""The in-place collectives: each computes meshcomm's functional result and copies it into
+the caller's tensors.
+
+Every function checks its arguments (types, dtypes, list lengths, sizes) before anything is
+sent, then issues one meshcomm operation on the group (``all_to_all`` and
+``all_to_all_single`` are in :mod:`meshcomm.distributed._alltoall`). With
+``async_op=True`` it returns a :class:`~meshcomm.distributed._work.Work` whose ``wait()``
+returns once the results are in the caller's tensors; otherwise it returns None after
+that. A rank that is not a member of ``group`` warns and returns None, as in torch.
+
+Tensors may have any strides; only the number of elements must match where torch requires
+it (a ``(2, 3)`` tensor may receive a broadcast of a ``(6,)`` one).
+
+Example:
+    >>> import numpy as np
+    >>> import meshcomm.distributed as dist
+    >>> dist.init_process_group(world_size=1, rank=0)
+    >>> t = np.array([1.0, 2.0])
+    >>> dist.all_reduce(t, op=dist.ReduceOp.SUM); t
+    array([1., 2.])
+    >>> out = [np.zeros(2)]
+    >>> dist.all_gather(out, t); out
+    [array([1., 2.])]
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from meshcomm.distributed._common import (
+    counts_equal,
+    flat,
+    member,
+    reduce_op_for,
+    run,
+    same_count,
+    writable,
+)
+from meshcomm.distributed._errors import public
+from meshcomm.distributed._groups import canonical_rank
+from meshcomm.distributed._reduce_op import ReduceOp
+from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
+from meshcomm.distributed._tensors import Buffer, as_buffer, as_buffer_list, same_dtype
+from meshcomm.distributed._work import Work
+
+__all__ = [
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "barrier",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+]
+
+
+# -- one-to-all and all-to-one ---------------------------------------------------------------
+@public
+def broadcast(
+    tensor: Any,
+    src: int | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
+    """Copy the source rank's ``tensor`` into ``tensor`` on every rank of the group.
+
+    Args:
+        tensor: the data on the source rank; the buffer to fill elsewhere (same number of
+            elements and dtype).
+        src: source rank in the world (whatever ``group`` is).
+        group: the group (default: the default group).
+        async_op: return a Work.
+        group_src: source rank in ``group`` (instead of ``src``).
+
+    Returns:
+        A Work if ``async_op``, else None.
+
+    Raises:
+        ValueError: neither or both of ``src``/``group_src``, a rank outside the group.
+        TypeError: ``tensor`` is not an array or tensor.
+        DistBackendError: the operation failed.
+    """
+    buf = as_buffer(tensor, "tensor")
+    buf.check_writable()
+    pg = resolve(group)
+    if pg is None:
+        warn_not_in_group("broadcast")
+        return None
+    root = canonical_rank(pg, src, group_src, "src")
+    STATE.flush()
+    mine = root == pg.rank()
+    x = flat(buf) if mine else None
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.broadcast(x, root, shape=(buf.numel,), dtype=buf.dtype, async_op=a)
+
+    def finish(res: np.ndarray) -> None:
+        if not mine:
+            buf.write(res)
+
+    return run("broadcast", issue, [tensor], finish, async_op)
+
+
+@public
+def all_reduce(
+    tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``tensor`` across the group, in place on every rank.
+
+    Args:
+        tensor: input and output.
+        op: a :class:`ReduceOp` (``SUM``, ``AVG``, ``PRODUCT``, ``MIN``, ``MAX``, ``BAND``,
+            ``BOR``, ``BXOR``, ``PREMUL_SUM`` with a factor).
+        group: the group (default: the default group).
+        async_op: return a Work.
+
+    Raises:
+        ValueError: an op undefined for complex tensors.
+        DistTypeError: an op undefined for the dtype (a RuntimeError and a TypeError).
+        DistBackendError: the operation failed.
+    """
+    buf = as_buffer(tensor, "tensor")
+    buf.check_writable()
+    mop, factor = reduce_op_for(op, buf, "all_reduce")
+    pg = member(group, "all_reduce")
+    if pg is None:
+        return None
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.all_reduce(buf.host, mop, factor=factor, async_op=a)
+
+    return run("all_reduce", issue, [tensor], buf.write, async_op)
+
+
+@public
+def reduce(
+    tensor: Any,
+    dst: int | None = None,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Reduce ``tensor`` across the group into ``tensor`` on the destination rank.
+
+    Other ranks' tensors are left as they were.
+
+    Raises:
+        ValueError: bad ``dst``/``group_dst``, an op undefined for complex tensors.
+        DistTypeError: an op undefined for the dtype.
+    """
+    buf = as_buffer(tensor, "tensor")
+    buf.check_writable()
+    mop, factor = reduce_op_for(op, buf, "reduce")
+    pg = resolve(group)
+    if pg is None:
+        warn_not_in_group("reduce")
+        return None
+    root = canonical_rank(pg, dst, group_dst, "dst")
+    STATE.flush()
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.reduce(buf.host, root, mop, factor=factor, async_op=a)
+
+    def finish(res: np.ndarray | None) -> None:
+        if res is not None:
+            buf.write(res)
+
+    return run("reduce", issue, [tensor], finish, async_op)
+
+
+@public
+def gather(
+    tensor: Any,
+    gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Gather every rank's ``tensor`` into ``gather_list`` on the destination rank.
+
+    Args:
+        tensor: this rank's input.
+        gather_list: on the destination, one tensor per group rank (same number of elements
+            and dtype as ``tensor``); None or empty elsewhere.
+        dst: destination rank in the world.
+        group: the group.
+        async_op: return a Work.
+        group_dst: destination rank in ``group``.
+
+    Raises:
+        ValueError: ``gather_list`` missing on the destination or given elsewhere, wrong
+            length, sizes or dtypes.
+    """
+    inp = as_buffer(tensor, "tensor")
+    pg = resolve(group)
+    if pg is None:
+        warn_not_in_group("gather")
+        return None
+    root = canonical_rank(pg, dst, group_dst, "dst")
+    outs: list[Buffer] = []
+    if root == pg.rank():
+        if not gather_list:
+            raise ValueError("Argument ``gather_list`` must be specified on destination rank.")
+        outs = as_buffer_list(gather_list, "gather_list")
+        same_dtype([inp, *outs])
+        same_count(pg.size(), outs, "gather_list")
+        counts_equal(outs, inp.numel, "tensor")
+        writable(*outs)
+    elif gather_list:
+        raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
+    STATE.flush()
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.gather(flat(inp), root, async_op=a)
+
+    def finish(res: np.ndarray | None) -> None:
+        if res is not None:
+            for r, out in enumerate(outs):
+                out.write(res[r])
+
+    return run("gather", issue, gather_list or [], finish, async_op)
+
+
+@public
+def scatter(
+    tensor: Any,
+    scatter_list: list[Any] | None = None,
+    src: int | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
+    """Give group rank ``r`` the source rank's ``scatter_list[r]``, in ``tensor``.
+
+    Args:
+        tensor: the output.
+        scatter_list: on the source, one tensor per group rank (same number of elements and
+            dtype as ``tensor``); None or empty elsewhere.
+        src: source rank in the world.
+        group: the group.
+        async_op: return a Work.
+        group_src: source rank in ``group``.
+
+    Raises:
+        ValueError: ``scatter_list`` missing on the source or given elsewhere, wrong length,
+            sizes or dtypes.
+    """
+    out = as_buffer(tensor, "tensor")
+    out.check_writable()
+    pg = resolve(group)
+    if pg is None:
+        warn_not_in_group("scatter")
+        return None
+    root = canonical_rank(pg, src, group_src, "src")
+    x: np.ndarray | None = None
+    if root == pg.rank():
+        if not scatter_list:
+            raise ValueError("Argument ``scatter_list`` must be specified on source rank.")
+        ins = as_buffer_list(scatter_list, "scatter_list")
+        same_dtype([out, *ins])
+        same_count(pg.size(), ins, "scatter_list")
+        counts_equal(ins, out.numel, "tensor")
+        x = np.stack([flat(b) for b in ins]) if ins else None
+    elif scatter_list:
+        raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
+    STATE.flush()
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.scatter(x, root, shape=(out.numel,), dtype=out.dtype, async_op=a)
+
+    return run("scatter", issue, [tensor], out.write, async_op)
+
+
+# -- all to all --------------------------------------------------------------------------------
+@public
+def all_gather(
+    tensor_list: list[Any], tensor: Any, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Fill ``tensor_list[r]`` with group rank ``r``'s ``tensor``, on every rank.
+
+    ``tensor_list[r]`` must have as many elements as rank ``r``'s ``tensor``; the sizes may
+    differ between ranks (every rank passes the same sizes).
+
+    Raises:
+        ValueError: wrong list length, dtypes differ, this rank's entry has the wrong size.
+    """
+    outs = as_buffer_list(tensor_list, "tensor_list")
+    inp = as_buffer(tensor, "tensor")
+    same_dtype([*outs, inp])
+    writable(*outs)
+    pg = member(group, "all_gather")
+    if pg is None:
+        return None
+    same_count(pg.size(), outs, "tensor_list")
+    counts = [o.numel for o in outs]
+    me = pg.rank()
+    if counts[me] != inp.numel:
+        raise ValueError(
+            f"tensor has {inp.numel} elements but tensor_list[{me}] (this rank's entry) has "
+            f"{counts[me]}"
+        )
+    width = max(counts, default=0)
+    if width == inp.numel:
+        x = flat(inp)
+    else:  # uneven sizes: pad to the widest, which every rank knows from its tensor_list
+        x = np.zeros(width, dtype=inp.dtype)
+        x[: inp.numel] = flat(inp)
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.all_gather(x, axis=0, async_op=a)
+
+    def finish(res: np.ndarray) -> None:
+        for r, out in enumerate(outs):
+            out.write(res[r, : counts[r]])
+
+    return run("all_gather", issue, tensor_list, finish, async_op)
+
+
+@public
+def all_gather_single(
+    output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor``, concatenated by rank.
+
+    ``output_tensor`` has ``group size`` times the elements of ``input_tensor`` (either the
+    concatenation or the stack along dim 0: the memory layout is the same).
+
+    Raises:
+        ValueError: sizes or dtypes do not match.
+    """
+    out = as_buffer(output_tensor, "output_tensor")
+    inp = as_buffer(input_tensor, "input_tensor")
+    same_dtype([out, inp])
+    out.check_writable()
+    pg = member(group, "all_gather_single")
+    if pg is None:
+        return None
+    if out.numel != pg.size() * inp.numel:
+        raise ValueError(
+            f"output_tensor must have group size ({pg.size()}) x {inp.numel} = "
+            f"{pg.size() * inp.numel} elements, got {out.numel}"
+        )
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.all_gather(flat(inp), axis=0, tiled=True, async_op=a)
+
+    return run("all_gather_single", issue, [output_tensor], out.write, async_op)
+
+
+@public
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Deprecated in torch 2.13 (warns as torch); use :func:`all_gather_single`."""
+    warnings.warn(
+        "`meshcomm.distributed.all_gather_into_tensor` is deprecated (as in torch). Please use "
+        "`meshcomm.distributed.all_gather_single` instead.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return all_gather_single(output_tensor, input_tensor, group, async_op)
+
+
+@public
+def reduce_scatter(
+    output: Any,
+    input_list: list[Any],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``input_list[r]`` across ranks into ``output`` on group rank ``r``.
+
+    Raises:
+        ValueError: wrong list length, sizes or dtypes.
+        DistTypeError: an op undefined for the dtype.
+    """
+    out = as_buffer(output, "output")
+    ins = as_buffer_list(input_list, "input_list")
+    same_dtype([out, *ins])
+    out.check_writable()
+    mop, factor = reduce_op_for(op, out, "reduce_scatter")
+    pg = member(group, "reduce_scatter")
+    if pg is None:
+        return None
+    same_count(pg.size(), ins, "input_list")
+    counts_equal(ins, out.numel, "output")
+    x = np.stack([flat(b) for b in ins])
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.reduce_scatter(x, mop, axis=0, factor=factor, async_op=a)
+
+    return run("reduce_scatter", issue, [output], out.write, async_op)
+
+
+@public
+def reduce_scatter_single(
+    output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``input`` across ranks; group rank ``r`` gets the ``r``-th equal chunk.
+
+    Raises:
+        ValueError: ``input`` does not have group size x ``output``'s elements, dtypes.
+        DistTypeError: an op undefined for the dtype.
+    """
+    out = as_buffer(output, "output")
+    inp = as_buffer(input, "input")
+    same_dtype([out, inp])
+    out.check_writable()
+    mop, factor = reduce_op_for(op, out, "reduce_scatter_single")
+    pg = member(group, "reduce_scatter_single")
+    if pg is None:
+        return None
+    size = pg.size()
+    if inp.numel != size * out.numel:
+        raise ValueError(
+            f"input must have group size ({size}) x {out.numel} = {size * out.numel} elements, "
+            f"got {inp.numel}"
+        )
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.reduce_scatter(flat(inp).reshape(size, -1), mop, axis=0, factor=factor, async_op=a)
+
+    return run("reduce_scatter_single", issue, [output], out.write, async_op)
+
+
+@public
+def reduce_scatter_tensor(
+    output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Deprecated in torch 2.13 (warns as torch); use :func:`reduce_scatter_single`."""
+    warnings.warn(
+        "`meshcomm.distributed.reduce_scatter_tensor` is deprecated (as in torch). Please use "
+        "`meshcomm.distributed.reduce_scatter_single` instead.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return reduce_scatter_single(output, input, op, group, async_op)
+
+
+# -- coalesced (deprecated in torch) ------------------------------------------------------------
+@public
+def all_reduce_coalesced(
+    tensors: list[Any], op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """All-reduce several tensors of one dtype in one operation (deprecated in torch)."""
+    warnings.warn(
+        "`meshcomm.distributed.all_reduce_coalesced` will be deprecated (as in torch)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    bufs = as_buffer_list(tensors, "tensors")
+    same_dtype(bufs)
+    writable(*bufs)
+    if not bufs:
+        return Work.completed("all_reduce_coalesced", []) if async_op else None
+    mop, factor = reduce_op_for(op, bufs[0], "all_reduce_coalesced")
+    pg = member(group, "all_reduce_coalesced")
+    if pg is None:
+        return None
+    x = np.concatenate([flat(b) for b in bufs])
+    edges = np.cumsum([0, *[b.numel for b in bufs]])
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.all_reduce(x, mop, factor=factor, async_op=a)
+
+    def finish(res: np.ndarray) -> None:
+        for i, b in enumerate(bufs):
+            b.write(res[edges[i] : edges[i + 1]])
+
+    return run("all_reduce_coalesced", issue, tensors, finish, async_op)
+
+
+@public
+def all_gather_coalesced(
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """All-gather several tensors (deprecated in torch): ``output_tensor_lists[r][i]``
+    receives rank ``r``'s ``input_tensor_list[i]``."""
+    warnings.warn(
+        "`meshcomm.distributed.all_gather_coalesced` will be deprecated (as in torch)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    if not isinstance(output_tensor_lists, list):
+        raise TypeError("output_tensor_lists must be a list of lists of tensors")
+    ins = as_buffer_list(input_tensor_list, "input_tensor_list")
+    outs = [
+        as_buffer_list(row, f"output_tensor_lists[{r}]")
+        for r, row in enumerate(output_tensor_lists)
+    ]
+    same_dtype([*ins, *(b for row in outs for b in row)])
+    pg = member(group, "all_gather_coalesced")
+    if pg is None:
+        return None
+    same_count(pg.size(), outs, "output_tensor_lists")
+    for row in outs:
+        same_count(len(ins), row, "each output list")
+        writable(*row)
+        for b, i in zip(row, ins, strict=True):
+            counts_equal([b], i.numel, i.name)
+    if not ins:
+        return Work.completed("all_gather_coalesced", output_tensor_lists) if async_op else None
+    x = np.concatenate([flat(b) for b in ins])
+    edges = np.cumsum([0, *[b.numel for b in ins]])
+    g = pg.mesh_group
+
+    def issue(a: bool) -> Any:
+        return g.all_gather(x, axis=0, async_op=a)
+
+    def finish(res: np.ndarray) -> None:
+        for r, row in enumerate(outs):
+            for i, b in enumerate(row):
+                b.write(res[r, edges[i] : edges[i + 1]])
+
+    return run("all_gather_coalesced", issue, output_tensor_lists, finish, async_op)
+
+
+# -- synchronization ---------------------------------------------------------------------------
+@public
+def barrier(
+    group: Any = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None
+) -> Work | None:
+    """Return once every rank of the group has entered the barrier.
+
+    Args:
+        group: the group.
+        async_op: return a Work.
+        device_ids: ignored (torch uses it for NCCL).
+        timeout: wait at most this long (seconds or ``timedelta``); the group's timeout
+            applies anyway.
+
+    Raises:
+        DistBackendError: a rank did not arrive in time, or the operation failed.
+    """
+    pg = member(group, "barrier")
+    if pg is None:
+        return None
+    g = pg.mesh_group
+    if async_op:
+        return Work("barrier", []).attach([g.barrier(async_op=True)])
+    if timeout is None:
+        g.barrier()
+    else:
+        Work("barrier", []).attach([g.barrier(async_op=True)]).wait(timeout)
+    return None

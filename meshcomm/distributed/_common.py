@@ -1,0 +1,100 @@
+"""What every in-place collective does around its meshcomm call: membership, argument checks
+shared by several functions, and issuing the call synchronously or as a Work.
+
+Example:
+    >>> from meshcomm.distributed._tensors import as_buffer
+    >>> same_count(2, [1, 2], "tensor_list")
+    >>> counts_equal([as_buffer(np.zeros(3), "a")], 3, "tensor")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from meshcomm.distributed._errors import DistTypeError
+from meshcomm.distributed._pg import ProcessGroup
+from meshcomm.distributed._reduce_op import supports_complex, to_meshcomm
+from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
+from meshcomm.distributed._tensors import Buffer
+from meshcomm.distributed._work import Work
+from meshcomm.reduction import ReduceOp as MeshOp
+from meshcomm.reduction import check_op_dtype
+
+__all__ = [
+    "Issue",
+    "counts_equal",
+    "flat",
+    "member",
+    "reduce_op_for",
+    "run",
+    "same_count",
+    "writable",
+]
+
+Issue = Callable[[bool], Any]
+
+
+def run(
+    label: str, issue: Issue, outputs: Any, finish: Callable[[Any], None], async_op: bool
+) -> Any:
+    """Issue one meshcomm operation; copy its result out with ``finish`` (now or on wait)."""
+    if async_op:
+        inner = issue(True)
+        return Work(label, outputs, lambda results: finish(results[0])).attach([inner])
+    finish(issue(False))
+    return None
+
+
+def member(group: Any, op: str) -> ProcessGroup | None:
+    """Resolve ``group``; None (after torch's warning) if this rank is not a member.
+
+    Issues deferred receives first, so they keep their place before this operation.
+    """
+    pg = resolve(group)
+    if pg is None:
+        warn_not_in_group(op)
+        return None
+    STATE.flush()
+    return pg
+
+
+def writable(*buffers: Buffer) -> None:
+    """Raise ValueError (before any I/O) if a result cannot be written into a buffer."""
+    for b in buffers:
+        b.check_writable()
+
+
+def flat(buf: Buffer) -> np.ndarray:
+    """The buffer's values as a 1-D numpy array (a view where the layout allows)."""
+    return buf.host.reshape(-1)
+
+
+def same_count(size: int, buffers: Sequence[Any], name: str) -> None:
+    """Raise ValueError unless there is one entry per rank of the group."""
+    if len(buffers) != size:
+        raise ValueError(
+            f"{name} must hold one tensor per rank of the group ({size}), got {len(buffers)}"
+        )
+
+
+def counts_equal(buffers: Sequence[Buffer], n: int, ref: str) -> None:
+    """Raise ValueError unless every buffer has ``n`` elements, as ``ref`` has."""
+    for b in buffers:
+        if b.numel != n:
+            raise ValueError(f"{b.name} has {b.numel} elements but {ref} has {n}; they must match")
+
+
+def reduce_op_for(op: Any, buf: Buffer, fname: str) -> tuple[MeshOp, Any]:
+    """Return meshcomm's op and factor for ``op`` on ``buf``'s dtype, or raise as torch does
+    (ValueError for complex tensors, DistTypeError for other dtypes)."""
+    mop, factor = to_meshcomm(op)
+    if buf.dtype.kind == "c" and not supports_complex(op):
+        raise ValueError(f"{fname} does not support {op} on complex tensors")
+    try:
+        check_op_dtype(mop, buf.dtype)
+    except TypeError as exc:
+        raise DistTypeError(f"{fname}: {exc}") from None
+    return mop, factor
