@@ -1,4 +1,5 @@
-"""Arrays at the group boundary: accepted dtypes, input snapshots, layouts, scratch memory.
+"""Arrays at the group boundary: accepted dtypes, input snapshots, layouts, scratch memory,
+and the recycling of result buffers.
 
 This is the one place that knows what an "array" is for :mod:`meshcomm.group`: inputs go
 through :func:`as_array`, results are plain numpy arrays. A backend-specific adapter (cupy
@@ -8,6 +9,11 @@ Layouts: communicators see rank-major flat buffers (block ``r`` belongs to rank 
 :func:`blocks_view` turns an input into that layout as a *view* (so the one snapshot copy
 also does the transpose), and :func:`unstack` turns received rank-major blocks into the
 result array, copying only when the requested axis forces a transpose.
+
+Memory: send-side snapshots never escape a call, so a :class:`ScratchPool` takes them back
+when the communicator is done. Results escape to the caller; a :class:`ResultPool` hands a
+large one out again only once the caller has dropped every reference to it (numpy would
+otherwise map, fault in and zero fresh pages for each large result).
 
 Example:
     >>> x = np.arange(6).reshape(2, 3)
@@ -19,8 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -30,6 +37,7 @@ from meshcomm.errors import InvalidArgument
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "ResultPool",
     "ScratchPool",
     "as_array",
     "blocks_view",
@@ -65,6 +73,11 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _SUPPORTED_TEXT = "bool, int8..int64, uint8..uint64, float16/32/64, complex64/128, bfloat16"
 
+# Accepted dtypes seen so far -> their native-order form. Every call checks its dtype; a dict
+# hit (about 50 ns) replaces np.dtype() + kind/byte-order tests + a set lookup. Only accepted
+# dtypes are cached, and numpy has few of them (both byte orders of SUPPORTED_DTYPES).
+_NATIVE: dict[np.dtype, np.dtype] = {dt: dt for dt in SUPPORTED_DTYPES}
+
 
 def dtype_name(dtype: np.dtype) -> str:
     """Return a dtype's readable name (``bfloat16``, not ``<V2``).
@@ -96,14 +109,21 @@ def check_dtype(dtype: Any, where: str) -> np.dtype:
 uint8..uint64, float16/32/64, complex64/128, bfloat16)
     """
     try:
+        hit = _NATIVE.get(dtype)
+    except TypeError:  # unhashable: not a dtype we cached
+        hit = None
+    if hit is not None:
+        return hit
+    try:
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"{where}: {dtype!r} is not a dtype ({exc})") from None
-    if dt.kind in "biufc" and not dt.isnative:
-        dt = dt.newbyteorder("=")
-    if dt in _SUPPORTED:
-        return dt
-    raise TypeError(f"{where}: dtype {dt} is not supported (supported: {_SUPPORTED_TEXT})")
+    native = dt.newbyteorder("=") if dt.kind in "biufc" and not dt.isnative else dt
+    if native in _SUPPORTED:
+        if isinstance(dtype, np.dtype):
+            _NATIVE[dtype] = native
+        return native
+    raise TypeError(f"{where}: dtype {native} is not supported (supported: {_SUPPORTED_TEXT})")
 
 
 def as_array(x: Any, where: str) -> np.ndarray:
@@ -119,6 +139,9 @@ def as_array(x: Any, where: str) -> np.ndarray:
         >>> as_array([1, 2], "rank 0").dtype
         dtype('int64')
     """
+    if type(x) is np.ndarray:  # the hot path: skip isinstance and the asarray call
+        check_dtype(x.dtype, where)
+        return x
     if x is None:
         raise TypeError(f"{where}: expected an array, got None")
     if isinstance(x, np.ndarray):
@@ -191,14 +214,20 @@ def blocks_view(x: np.ndarray, axis: int, size: int, tiled: bool) -> np.ndarray:
 
 
 def unstack(
-    flat: np.ndarray, block_shape: tuple[int, ...], axis: int, size: int, tiled: bool
+    flat: np.ndarray,
+    block_shape: tuple[int, ...],
+    axis: int,
+    size: int,
+    tiled: bool,
+    alloc: Callable[[np.dtype, int], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Turn ``size`` rank-major blocks into the result, stacked or concatenated at ``axis``.
 
     Not tiled: a new axis of length ``size`` is inserted at ``axis`` (``0 <= axis <=
     len(block_shape)``). Tiled: the blocks are concatenated along ``axis`` (``0 <= axis <
     len(block_shape)``). The result is C-contiguous; it shares ``flat``'s memory whenever
-    the layout allows (axis 0, or only length-1 axes before it), else it is one copy.
+    the layout allows (axis 0, or only length-1 axes before it), else it is one copy, into
+    ``alloc(dtype, count)`` (a flat array) when given.
 
     Example:
         >>> unstack(np.arange(4), (2,), axis=1, size=2, tiled=False)
@@ -207,10 +236,20 @@ def unstack(
     """
     stacked = flat.reshape((size, *block_shape))
     moved = np.moveaxis(stacked, 0, axis)
+    if moved.flags.c_contiguous:  # no transpose needed: a view of ``flat``
+        if tiled:
+            return moved.reshape(
+                (*block_shape[:axis], size * block_shape[axis], *block_shape[axis + 1 :])
+            )
+        return moved
+    out = np.empty(moved.shape, flat.dtype) if alloc is None else alloc(flat.dtype, flat.size)
+    out = out.reshape(moved.shape)
+    np.copyto(out, moved)
     if tiled:
-        merged = (*block_shape[:axis], size * block_shape[axis], *block_shape[axis + 1 :])
-        moved = moved.reshape(merged)
-    return np.ascontiguousarray(moved)
+        return out.reshape(
+            (*block_shape[:axis], size * block_shape[axis], *block_shape[axis + 1 :])
+        )
+    return out
 
 
 class ScratchPool:
@@ -267,3 +306,88 @@ class ScratchPool:
             if len(free) < self.PER_CLASS and self._cached + klass <= self._max_bytes:
                 free.append(base)
                 self._cached += klass
+
+
+def _refcounts(tracked: list[np.ndarray]) -> list[int]:
+    return [sys.getrefcount(raw) for raw in tracked]
+
+
+def _calibrate() -> int:
+    """The reference count :func:`_refcounts` reports for a buffer nobody else holds."""
+    if not hasattr(sys, "getrefcount"):
+        return -1
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    if is_gil_enabled is not None and not is_gil_enabled():
+        return -1  # free-threaded build: counts are not exact from another thread's view
+    return _refcounts([np.empty(1, np.uint8)])[0]
+
+
+_IDLE_REFS = _calibrate()
+
+
+class ResultPool:
+    """Recycles large result buffers once their caller has dropped every reference to them.
+
+    Functional collectives return new arrays, and a large numpy allocation is a fresh
+    ``mmap``: every page faults (and is zeroed by the kernel) again on each call. In a loop
+    such as ``y = group.all_reduce(x)`` the previous result is dropped one call later, so the
+    pool keeps the last few result buffers (raw bytes, any dtype fits) and hands one out
+    again when nothing but the pool refers to it: no array, view, memoryview or DLPack
+    capsule of it is alive (they all hold a reference to the buffer; ``sys.getrefcount``
+    says so). A result the caller still holds is never reused.
+
+    Buffers under ``MIN_BYTES`` come straight from numpy (malloc'ed from the heap, no fresh
+    pages). The pool tracks at most ``MAX_BUFFERS`` buffers, ``max_bytes`` in all (older
+    ones are forgotten first), so at most that much memory outlives its last user. Without
+    exact reference counts (free-threaded CPython, other interpreters) it never recycles.
+
+    Example:
+        >>> pool = ResultPool()
+        >>> a = pool.take(np.dtype(np.float32), 1 << 20)
+        >>> b = pool.take(np.dtype(np.float32), 1 << 20)  # ``a`` is alive: a new buffer
+        >>> np.shares_memory(a, b)
+        False
+        >>> base = a.base; del a, base
+        >>> c = pool.take(np.dtype(np.float32), 1 << 20)  # ``a``'s buffer, recycled
+        >>> np.shares_memory(b, c), c.shape
+        (False, (1048576,))
+    """
+
+    #: Smaller results come from numpy directly (below glibc's mmap threshold).
+    MIN_BYTES = 128 << 10
+    #: Buffers tracked at most.
+    MAX_BUFFERS = 8
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self._max_bytes = max_bytes
+        self._tracked: list[np.ndarray] = []  # least recently handed out first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.enabled = _IDLE_REFS > 0
+
+    def take(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """Return a flat, C-contiguous, uninitialized array of ``count`` ``dtype`` elements."""
+        nbytes = count * dtype.itemsize
+        if nbytes < self.MIN_BYTES or nbytes > self._max_bytes or not self.enabled:
+            return np.empty(count, dtype)
+        with self._lock:
+            tracked = self._tracked
+            raw = None
+            for i, refs in enumerate(_refcounts(tracked)):
+                if refs <= _IDLE_REFS and tracked[i].nbytes == nbytes:
+                    raw = tracked.pop(i)
+                    tracked.append(raw)
+                    break
+            if raw is None:
+                raw = np.empty(nbytes, np.uint8)
+                tracked.append(raw)
+                self._bytes += nbytes
+                while len(tracked) > self.MAX_BUFFERS or self._bytes > self._max_bytes:
+                    self._bytes -= tracked.pop(0).nbytes
+        return raw.view(dtype)
+
+    def clear(self) -> None:
+        """Forget every buffer (those still in use stay with their users)."""
+        with self._lock:
+            self._tracked.clear()
+            self._bytes = 0

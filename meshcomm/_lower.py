@@ -6,15 +6,22 @@ communication and finishing touches when the progress engine runs it; ``fingerpr
 describes the call for debug checks (None for point-to-point). Nothing here does I/O, so
 every argument error is raised before any byte leaves the process.
 
-Allocations: the result array is fresh (it belongs to the caller) and, where it can, is the
-very buffer the communicator writes (``all_reduce``, ``broadcast``, ``reduce`` on root,
-``reduce_scatter``, ``scatter``, ``gather``, ``all_gather`` at axis 0). Send-side
-snapshots that never escape come from the world's :class:`~meshcomm._arrays.ScratchPool`.
+Allocations: the result array belongs to the caller and, where it can, is the very buffer
+the communicator writes (``all_reduce``, ``broadcast``, ``reduce`` on root,
+``reduce_scatter``, ``scatter``, ``gather``, ``all_gather`` at axis 0). Results come from
+the world's :class:`~meshcomm._arrays.ResultPool`, which recycles large result buffers the
+caller has dropped (no fresh page-faulted memory per call in a loop). Send-side snapshots
+that never escape come from the world's :class:`~meshcomm._arrays.ScratchPool`.
+
+Cost: these functions run on every call, so the common case is kept to plain attribute,
+tuple and dict operations: dtypes and (op, dtype) pairs already accepted once are found in
+small caches (:func:`meshcomm._arrays.check_dtype`, :func:`reduce_op`); everything else,
+and every error, takes the full checking path.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator
-    >>> from meshcomm._arrays import ScratchPool
-    >>> call = Call(SelfCommunicator(), ScratchPool(), "all_reduce: rank 0")
+    >>> from meshcomm._arrays import ResultPool, ScratchPool
+    >>> call = Call(SelfCommunicator(), ScratchPool(), "all_reduce: rank 0", ResultPool())
     >>> body, fingerprint = all_reduce(call, [1.0, 2.0], "avg", None)
     >>> body(), fingerprint["reduce"]
     (array([1., 2.]), <ReduceOp.AVG: 'avg'>)
@@ -24,12 +31,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from meshcomm._arrays import (
+    ResultPool,
     ScratchPool,
     as_array,
     blocks_view,
@@ -54,6 +61,7 @@ __all__ = [
     "gather",
     "int64_arg",
     "permute",
+    "reduce_op",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -67,25 +75,41 @@ Lowered = tuple[Callable[[], Any], dict[str, Any] | None]
 _COMPOSED = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
 
-@dataclass(frozen=True)
 class Call:
-    """One call being lowered: the communicator, the world's scratch pool, and ``where``.
+    """What lowering one call needs: the communicator, the world's pools, and ``where``.
 
     ``where`` prefixes every error message, e.g. ``"all_reduce: rank 3 in group 'world'
-    (size 4)"``.
+    (size 4)"``. A group makes one Call per operation name and reuses it.
+
+    Attributes:
+        comm: the group's communicator.
+        pool: scratch for send-side snapshots.
+        results: where result buffers come from.
+        where: the error-message prefix.
+        rank: ``comm.rank``.
+        size: ``comm.size``.
+        all_reduce_out: the communicator's out-of-place ``all_reduce_out(send, recv, op)``
+            when it has one (it reads the input where it lies: no snapshot copy), else None.
     """
 
-    comm: Communicator
-    pool: ScratchPool
-    where: str
+    __slots__ = ("all_reduce_out", "comm", "pool", "rank", "results", "size", "where")
 
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
+    def __init__(
+        self,
+        comm: Communicator,
+        pool: ScratchPool,
+        where: str,
+        results: ResultPool | None = None,
+    ) -> None:
+        self.comm = comm
+        self.pool = pool
+        self.where = where
+        self.results = ResultPool() if results is None else results
+        self.rank = comm.rank
+        self.size = comm.size
+        self.all_reduce_out: Callable[[np.ndarray, np.ndarray, ReduceOp], None] | None = getattr(
+            comm, "all_reduce_out", None
+        )
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -143,16 +167,46 @@ def _input(c: Call, x: Any) -> tuple[np.ndarray, np.dtype]:
     return arr, check_dtype(arr.dtype, c.where)
 
 
-def _reduce_op(c: Call, op: Any, dtype: np.dtype, factor: Any) -> tuple[ReduceOp, Any]:
-    """Parse ``op``, check it against ``dtype``, and return ``factor`` in ``dtype``."""
+# (op as the caller spelled it, dtype) -> ReduceOp, for pairs already accepted (no factor).
+# Bounded: a few spellings of a dozen ops times the supported dtypes.
+_OP_CACHE: dict[tuple[Any, np.dtype], ReduceOp] = {}
+_OP_CACHE_MAX = 1024
+
+
+def reduce_op(where: str, op: Any, dtype: np.dtype) -> ReduceOp:
+    """Parse ``op`` and check it is defined for ``dtype``; cached once accepted.
+
+    Raises:
+        InvalidArgument: not a reduce op.
+        TypeError: the op is undefined for ``dtype``.
+
+    Example:
+        >>> reduce_op("rank 0", "SUM", np.dtype(np.float32))
+        <ReduceOp.SUM: 'sum'>
+    """
+    hashable = True
+    try:
+        hit = _OP_CACHE.get((op, dtype))
+    except TypeError:  # an unhashable op: the slow path says what is wrong with it
+        hit, hashable = None, False
+    if hit is not None:
+        return hit
     try:
         rop = parse_op(op)
     except InvalidArgument as exc:
-        raise InvalidArgument(f"{c.where}: {exc}") from None
+        raise InvalidArgument(f"{where}: {exc}") from None
     try:
         check_op_dtype(rop, dtype)
     except TypeError as exc:
-        raise TypeError(f"{c.where}: {exc}") from None
+        raise TypeError(f"{where}: {exc}") from None
+    if hashable and len(_OP_CACHE) < _OP_CACHE_MAX:
+        _OP_CACHE[(op, dtype)] = rop
+    return rop
+
+
+def _reduce_op(c: Call, op: Any, dtype: np.dtype, factor: Any) -> tuple[ReduceOp, Any]:
+    """Parse ``op``, check it against ``dtype``, and return ``factor`` in ``dtype``."""
+    rop = reduce_op(c.where, op, dtype)
     if rop is not ReduceOp.PREMUL_SUM:
         if factor is not None:
             raise InvalidArgument(
@@ -208,6 +262,24 @@ def _blocks(
     return ax, block
 
 
+def _send_side(
+    c: Call, view: np.ndarray, dt: np.dtype, snapshot: bool
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """The send buffer: ``view`` itself, or a pooled snapshot copy of it.
+
+    A synchronous call (``snapshot=False``) whose send side is already C-contiguous in
+    native byte order is read where it lies: the caller waits for the call, so the input
+    cannot change under it, and the communicator only reads send buffers. Otherwise (an
+    asynchronous call, a transposing view, another byte order) the input is copied into
+    scratch. Returns ``(base, send)``: give ``base`` back to ``c.pool`` unless it is None.
+    """
+    if not snapshot and view.dtype == dt and view.flags.c_contiguous:
+        return None, view
+    base, send = c.pool.take(dt, view.shape)
+    copy_into(send, view)
+    return base, send
+
+
 def _perm(c: Call, perm: Any) -> tuple[tuple[int, int], ...]:
     try:
         pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
@@ -231,43 +303,76 @@ def _perm(c: Call, perm: Any) -> tuple[tuple[int, int], ...]:
 
 
 # -- collectives ---------------------------------------------------------------------------
-def all_reduce(c: Call, x: Any, op: Any, factor: Any) -> Lowered:
+def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> Lowered:
+    """Lower ``all_reduce``; ``snapshot=False`` (a synchronous call) may read ``x`` in place.
+
+    The result buffer is the communicator's buffer. A synchronous call whose input is already
+    flat-able (C-contiguous, native byte order) on a communicator with ``all_reduce_out``
+    hands the input over as is, and the reduction writes straight into the result: one pass
+    over memory fewer than copying the input first. Otherwise the input is copied into the
+    result buffer (scaled on the way for premul_sum) and reduced in place.
+    """
     arr, dt = _input(c, x)
     rop, f = _reduce_op(c, op, dt, factor)
-    buf = copy_into(np.empty(arr.size, dtype=dt), arr)  # the snapshot becomes the result
-    if f is not None:
-        np.multiply(buf, f, out=buf)
+    shape = arr.shape
+    buf = c.results.take(dt, arr.size)
+    out = buf if len(shape) == 1 else buf.reshape(shape)
     prim = ReduceOp.SUM if rop in _COMPOSED else rop
-    comm, size, shape = c.comm, c.size, arr.shape
+    comm, size = c.comm, c.size
+    reduce_out = c.all_reduce_out
+    if (
+        reduce_out is not None
+        and not snapshot
+        and f is None
+        and arr.flags.c_contiguous
+        and arr.dtype == dt
+    ):
+        send = arr.reshape(-1)
+
+        def body_out_of_place() -> np.ndarray:
+            reduce_out(send, buf, prim)
+            if rop is ReduceOp.AVG:
+                np.true_divide(buf, size, out=buf)
+            return out
+
+        return body_out_of_place, {"dtype": dt, "shape": shape, "reduce": rop}
+
+    if f is None:
+        np.copyto(out, arr)  # the snapshot becomes the result
+    else:
+        np.multiply(arr, f, out=out)  # snapshot and scale in one pass
 
     def body() -> np.ndarray:
         comm.all_reduce(buf, prim)
         if rop is ReduceOp.AVG:
             np.true_divide(buf, size, out=buf)
-        return buf.reshape(shape)
+        return out
 
     return body, {"dtype": dt, "shape": shape, "reduce": rop}
 
 
-def all_gather(c: Call, x: Any, axis: Any, tiled: bool) -> Lowered:
+def all_gather(c: Call, x: Any, axis: Any, tiled: bool, snapshot: bool = True) -> Lowered:
     arr, dt = _input(c, x)
     if tiled and arr.ndim == 0:
         raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
     ax = _axis(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
-    base, send = pool.take(dt, (arr.size,))
-    copy_into(send, arr)
-    recv = np.empty(size * arr.size, dtype=dt)
+    base, send = _send_side(c, arr, dt, snapshot)
+    results = c.results
+    recv = results.take(dt, size * arr.size)
 
     def body() -> np.ndarray:
-        comm.all_gather(send, recv)
-        pool.give(base)
-        return unstack(recv, shape, ax, size, bool(tiled))
+        comm.all_gather(send.reshape(-1), recv)
+        if base is not None:
+            pool.give(base)
+        return unstack(recv, shape, ax, size, bool(tiled), results.take)
 
     return body, {"dtype": dt, "shape": shape, "axis": ax, "tiled": bool(tiled)}
 
 
-def reduce_scatter(c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any) -> Lowered:
+def reduce_scatter(
+    c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any, snapshot: bool = True
+) -> Lowered:
     arr, dt = _input(c, x)
     rop, f = _reduce_op(c, op, dt, factor)
     ax, block = _blocks(c, arr, axis, tiled, "axis")
@@ -275,16 +380,16 @@ def reduce_scatter(c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any
     # Block r (this rank's share) is contiguous in the snapshot and comes back in the
     # result's own layout, so nothing is copied after the communication.
     view = blocks_view(arr, ax, size, tiled)
-    base, send = pool.take(dt, view.shape)
-    copy_into(send, view)
+    base, send = _send_side(c, view, dt, snapshot or f is not None)
     if f is not None:
         np.multiply(send, f, out=send)
-    recv = np.empty(_prod(block), dtype=dt)
+    recv = c.results.take(dt, _prod(block))
     prim = ReduceOp.SUM if rop in _COMPOSED else rop
 
     def body() -> np.ndarray:
         comm.reduce_scatter(send.reshape(-1), recv, prim)
-        pool.give(base)
+        if base is not None:
+            pool.give(base)
         if rop is ReduceOp.AVG:
             np.true_divide(recv, size, out=recv)
         return recv.reshape(block)
@@ -293,20 +398,23 @@ def reduce_scatter(c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any
     return body, fp
 
 
-def all_to_all(c: Call, x: Any, split_axis: Any, concat_axis: Any, tiled: bool) -> Lowered:
+def all_to_all(
+    c: Call, x: Any, split_axis: Any, concat_axis: Any, tiled: bool, snapshot: bool = True
+) -> Lowered:
     arr, dt = _input(c, x)
     split, block = _blocks(c, arr, split_axis, tiled, "split_axis")
     concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
     comm, pool, size = c.comm, c.pool, c.size
     view = blocks_view(arr, split, size, tiled)
-    base, send = pool.take(dt, view.shape)
-    copy_into(send, view)
-    recv = np.empty(size * _prod(block), dtype=dt)
+    base, send = _send_side(c, view, dt, snapshot)
+    results = c.results
+    recv = results.take(dt, size * _prod(block))
 
     def body() -> np.ndarray:
         comm.all_to_all(send.reshape(-1), recv)
-        pool.give(base)
-        return unstack(recv, block, concat, size, bool(tiled))
+        if base is not None:
+            pool.give(base)
+        return unstack(recv, block, concat, size, bool(tiled), results.take)
 
     fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
     return body, fp
@@ -320,12 +428,12 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
         _agree(c, arr.shape, dt, shape, dtype)
         out_shape = arr.shape
         if r == c.rank:
-            buf = copy_into(np.empty(arr.size, dtype=dt), arr)
+            buf = copy_into(c.results.take(dt, arr.size), arr)
     elif r == c.rank:
         raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
     else:
         out_shape, dt = _spec(c, shape, dtype)
-    result = np.empty(_prod(out_shape), dtype=dt) if buf is None else buf
+    result = c.results.take(dt, _prod(out_shape)) if buf is None else buf
     comm = c.comm
 
     def body() -> np.ndarray:
@@ -342,7 +450,7 @@ def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base: np.ndarray | None = None
     if r == c.rank:
-        buf = np.empty(arr.size, dtype=dt)
+        buf = c.results.take(dt, arr.size)
     else:  # clobbered and not returned off root: scratch will do
         base, buf = pool.take(dt, (arr.size,))
     copy_into(buf, arr)
@@ -362,23 +470,23 @@ def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
     return body, {"dtype": dt, "shape": shape, "root": r, "reduce": rop}
 
 
-def gather(c: Call, x: Any, root: Any) -> Lowered:
+def gather(c: Call, x: Any, root: Any, snapshot: bool = True) -> Lowered:
     r = rank_arg(c, root, "root")
     arr, dt = _input(c, x)
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
-    base, send = pool.take(dt, (arr.size,))
-    copy_into(send, arr)
-    recv = np.empty(size * arr.size, dtype=dt) if r == c.rank else None
+    base, send = _send_side(c, arr, dt, snapshot)
+    recv = c.results.take(dt, size * arr.size) if r == c.rank else None
 
     def body() -> np.ndarray | None:
-        comm.gather(send, recv, r)
-        pool.give(base)
+        comm.gather(send.reshape(-1), recv, r)
+        if base is not None:
+            pool.give(base)
         return None if recv is None else recv.reshape((size, *shape))
 
     return body, {"dtype": dt, "shape": shape, "root": r}
 
 
-def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
+def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool = True) -> Lowered:
     r = rank_arg(c, root, "root")
     comm, pool = c.comm, c.pool
     base: np.ndarray | None = None
@@ -392,13 +500,12 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
         block = arr.shape[1:]
         _agree(c, block, dt, shape, dtype)
         if r == c.rank:
-            base, send = pool.take(dt, arr.shape)
-            copy_into(send, arr)
+            base, send = _send_side(c, arr, dt, snapshot)
     elif r == c.rank:
         raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
     else:
         block, dt = _spec(c, shape, dtype)
-    recv = np.empty(_prod(block), dtype=dt)
+    recv = c.results.take(dt, _prod(block))
 
     def body() -> np.ndarray:
         comm.scatter(None if send is None else send.reshape(-1), recv, r)
@@ -409,7 +516,7 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
     return body, {"dtype": dt, "shape": block, "root": r}
 
 
-def permute(c: Call, x: Any, perm: Any) -> Lowered:
+def permute(c: Call, x: Any, perm: Any, snapshot: bool = True) -> Lowered:
     pairs = _perm(c, perm)
     arr, dt = _input(c, x)
     dst = next((d for s, d in pairs if s == c.rank), None)
@@ -418,10 +525,10 @@ def permute(c: Call, x: Any, perm: Any) -> Lowered:
     base: np.ndarray | None = None
     send = np.empty(0, dtype=dt)
     if dst is not None:
-        base, send = pool.take(dt, (arr.size,))
-        copy_into(send, arr)
+        base, send = _send_side(c, arr, dt, snapshot)
+        send = send.reshape(-1)
     # As jax.lax.ppermute: a rank nobody sends to gets zeros.
-    recv = np.zeros(arr.size, dtype=dt) if src is None else np.empty(arr.size, dtype=dt)
+    recv = np.zeros(arr.size, dtype=dt) if src is None else c.results.take(dt, arr.size)
 
     def body() -> np.ndarray:
         comm.permute(send, dst, recv, src)
@@ -437,17 +544,17 @@ def barrier(c: Call) -> Lowered:
 
 
 # -- point to point ------------------------------------------------------------------------
-def send(c: Call, x: Any, dst: Any, tag: Any) -> Lowered:
+def send(c: Call, x: Any, dst: Any, tag: Any, snapshot: bool = True) -> Lowered:
     d = rank_arg(c, dst, "dst")
     t = _tag(c.where, tag)
     arr, dt = _input(c, x)
     comm, pool = c.comm, c.pool
-    base, buf = pool.take(dt, arr.shape)
-    copy_into(buf, arr)
+    base, buf = _send_side(c, arr, dt, snapshot)
 
     def body() -> None:
         comm.send(buf, d, t)
-        pool.give(base)
+        if base is not None:
+            pool.give(base)
 
     return body, None
 

@@ -8,13 +8,25 @@ sequence numbers, debug fingerprints, asynchronous :class:`~meshcomm.work.Work`,
 How each collective maps onto the communicator's buffers is in :mod:`meshcomm._lower`.
 
 Every collective is functional: it returns new arrays (C-contiguous, native byte order)
-and never modifies its inputs. The input is copied once when the call is issued (so an
-async caller may reuse it at once); that copy is also the layout transform the
-communicator needs. Allocations per call: the result (fresh, as it belongs to the caller;
-the communicator writes straight into it wherever the layout allows) and, for operations
-whose send side differs from the result, a send snapshot from a per-world scratch pool
-that is reused from call to call. ``all_gather`` / ``all_to_all`` at an axis that forces
-a transpose copy the result once more.
+and never modifies its inputs. An asynchronous call copies its input when it is issued (so
+the caller may reuse it at once); that copy is also the layout transform the communicator
+needs. A synchronous call reads an input that is already in the communicator's layout
+(C-contiguous, native byte order, rank blocks in order) where it lies: the caller waits, so
+the input cannot change under it. That covers the send side of every collective that only
+reads its input, and ``all_reduce`` on a communicator with ``all_reduce_out`` (the reduction
+then writes straight into the result); the others copy the input into the result first.
+Allocations per call: the result (it belongs to the caller; the communicator writes straight
+into it wherever the layout allows), taken from a per-world
+:class:`~meshcomm._arrays.ResultPool` that recycles large result buffers once the caller
+has dropped them (a loop does not page-fault fresh memory on every call), and, for
+operations whose send side differs from the result, a send snapshot from a per-world
+scratch pool that is reused from call to call. ``all_gather`` / ``all_to_all`` at an axis
+that forces a transpose copy the result once more.
+
+Per-call cost: a group keeps one lowering context per operation name and the checks use
+small caches (accepted dtypes, accepted (op, dtype) pairs), so a small collective spends a
+few microseconds here above the communicator; every error still takes the full check and
+is raised before any I/O.
 
 Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
@@ -116,6 +128,9 @@ class ProcessGroup:
         self._seq = 0
         self._children = 0
         self._closed = False
+        # One lowering context per operation name, made on first use: the per-call path
+        # then does no string formatting and no allocation for it.
+        self._calls: dict[str, _lower.Call] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -198,24 +213,29 @@ class ProcessGroup:
 
     # -- issuing -------------------------------------------------------------------------
     def _call(self, where: str) -> _lower.Call:
-        return _lower.Call(self._comm, self._engine.pool, where)
+        engine = self._engine
+        return _lower.Call(self._comm, engine.pool, where, engine.results)
 
     def _enter(self, op: str) -> _lower.Call:
         """Refuse a closed or failed group; return the call context for lowering ``op``."""
-        if self._closed:
-            raise CommError(f"{op}: {self._where}: the group was closed")
-        self._engine.check(f"{op} on {self._where}")
-        return self._call(f"{op}: {self._where}")
+        if self._closed or not self._engine.healthy:
+            if self._closed:
+                raise CommError(f"{op}: {self._where}: the group was closed")
+            self._engine.check(f"{op} on {self._where}")
+        call = self._calls.get(op)
+        if call is None:
+            call = self._calls[op] = self._call(f"{op}: {self._where}")
+        return call
 
     def _issue(self, op: str, lowered: _lower.Lowered, async_op: bool) -> Any:
         """Run a lowered call in the world's order (after a fingerprint check in debug mode)."""
         body, fields = lowered
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self._engine.submit(body, f"{op} on {self._where}", bool(async_op))
-        self._seq += 1
-        label = f"{op} (op #{self._seq}) on {self._where}"
+        self._seq = seq = self._seq + 1
+        label = f"{op} (op #{seq}) on {self._where}"
         if self._debug:
-            row = _fingerprint.encode(op, self._seq, **fields)
+            row = _fingerprint.encode(op, seq, **fields)
             comm, ranks, unchecked = self._comm, self.ranks, body
 
             def body() -> Any:
@@ -253,7 +273,8 @@ class ProcessGroup:
             array([3., 6.])
         """
         c = self._enter("all_reduce")
-        return self._issue("all_reduce", _lower.all_reduce(c, x, op, factor), async_op)
+        lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
+        return self._issue("all_reduce", lowered, async_op)
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -284,7 +305,8 @@ class ProcessGroup:
             ((2, 1, 3), (2, 3))
         """
         c = self._enter("all_gather")
-        return self._issue("all_gather", _lower.all_gather(c, x, axis, tiled), async_op)
+        lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
+        return self._issue("all_gather", lowered, async_op)
 
     def reduce_scatter(
         self,
@@ -322,7 +344,7 @@ class ProcessGroup:
             array([0., 1., 2., 3.])
         """
         c = self._enter("reduce_scatter")
-        lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor)
+        lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
         return self._issue("reduce_scatter", lowered, async_op)
 
     def all_to_all(
@@ -362,7 +384,7 @@ class ProcessGroup:
             (6, 1)
         """
         c = self._enter("all_to_all")
-        lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled)
+        lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
         return self._issue("all_to_all", lowered, async_op)
 
     def broadcast(
@@ -456,7 +478,7 @@ class ProcessGroup:
             array([[0, 1]])
         """
         c = self._enter("gather")
-        return self._issue("gather", _lower.gather(c, x, root), async_op)
+        return self._issue("gather", _lower.gather(c, x, root, bool(async_op)), async_op)
 
     def scatter(
         self,
@@ -492,7 +514,8 @@ class ProcessGroup:
             array([1, 2])
         """
         c = self._enter("scatter")
-        return self._issue("scatter", _lower.scatter(c, x, root, shape, dtype), async_op)
+        lowered = _lower.scatter(c, x, root, shape, dtype, snapshot=bool(async_op))
+        return self._issue("scatter", lowered, async_op)
 
     def permute(
         self, x: ArrayLike, perm: Sequence[tuple[int, int]], *, async_op: bool = False
@@ -518,7 +541,7 @@ class ProcessGroup:
             (array([1, 2]), array([0, 0]))
         """
         c = self._enter("permute")
-        return self._issue("permute", _lower.permute(c, x, perm), async_op)
+        return self._issue("permute", _lower.permute(c, x, perm, bool(async_op)), async_op)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank of the group has entered the barrier.
@@ -555,7 +578,7 @@ class ProcessGroup:
             array([0, 1, 2])
         """
         c = self._enter("send")
-        return self._issue("send", _lower.send(c, x, dst, tag), async_op)
+        return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op)
 
     def recv(
         self,

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from meshcomm._arrays import ScratchPool
+from meshcomm._arrays import ResultPool, ScratchPool
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import CommError, CommTimeout
 
@@ -124,11 +124,18 @@ class ProgressEngine:
 
     Attributes:
         pool: scratch buffers shared by the world's groups.
+        results: the result buffers the world's groups hand out (recycled once dropped).
+        healthy: False once the world failed or was closed (a one-attribute check for the
+            hot path; :meth:`check` says why).
     """
 
     def __init__(self, where: str) -> None:
         self._where = where
-        self._cv = threading.Condition()
+        # A plain lock under the condition: the inline path takes it directly (C code),
+        # and notifies only when someone waits (``_waiting``).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._waiting = 0
         self._queue: deque[tuple[Callable[[], Any], Work[Any]]] = deque()
         self._busy = False
         self._stop = False
@@ -136,7 +143,10 @@ class ProgressEngine:
         self._failure: BaseException | None = None
         self._failure_label = ""
         self._thread: threading.Thread | None = None
+        self._thread_id: int | None = None
         self.pool = ScratchPool()
+        self.results = ResultPool()
+        self.healthy = True
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -166,6 +176,7 @@ class ProgressEngine:
         with self._cv:
             if self._failure is None:
                 self._failure, self._failure_label = exc, label
+                self.healthy = False
 
     # -- running operations --------------------------------------------------------------
     def submit(self, fn: Callable[[], T], label: str, async_op: bool) -> Any:
@@ -175,9 +186,11 @@ class ProgressEngine:
             CommError: the world failed or was closed (nothing is queued then).
             Exception: a synchronous ``fn`` raised (and the world is poisoned).
         """
-        with self._cv:
-            self.check(label)
-            if not async_op and threading.current_thread() is self._thread:
+        lock = self._lock
+        with lock:
+            if not self.healthy:
+                self.check(label)
+            if not async_op and self._thread_id == threading.get_ident():
                 raise CommError(
                     f"{label}: a synchronous call from the progress thread (a Future callback) "
                     "would wait on itself; use async_op=True there"
@@ -189,15 +202,29 @@ class ProgressEngine:
                 work: Work[T] = Work(label)
                 self._queue.append((fn, work))
                 self._ensure_thread()
-                self._cv.notify_all()
+                if self._waiting:
+                    self._cv.notify_all()
         if not inline:
             return work if async_op else work.wait()
         try:
-            return self._run(fn, label)
+            return fn()
+        except BaseException as exc:
+            # Whatever escaped mid-operation leaves the ranks' streams in an unknown state.
+            self.poison(exc, label)
+            raise
         finally:
-            with self._cv:
+            with lock:
                 self._busy = False
-                self._cv.notify_all()
+                if self._waiting:
+                    self._cv.notify_all()
+
+    def _wait(self) -> None:
+        """``self._cv.wait()``, counted so that the inline path knows whether to notify."""
+        self._waiting += 1
+        try:
+            self._cv.wait()
+        finally:
+            self._waiting -= 1
 
     def _run(self, fn: Callable[[], T], label: str) -> T:
         try:
@@ -213,13 +240,15 @@ class ProgressEngine:
                 target=self._loop, name=f"meshcomm-progress ({self._where})", daemon=True
             )
             self._thread.start()
+            self._thread_id = self._thread.ident
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 while (self._busy or not self._queue) and not self._stop:
-                    self._cv.wait()
+                    self._wait()
                 if not self._queue:
+                    self._thread_id = None  # idents are reused once a thread has ended
                     return
                 fn, work = self._queue.popleft()
                 self._busy = True
@@ -239,7 +268,11 @@ class ProgressEngine:
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for queued operations to finish; True if they did."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+            self._waiting += 1
+            try:
+                return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+            finally:
+                self._waiting -= 1
 
     def close(self, reason: str = "the world was closed", timeout: float = 10.0) -> None:
         """Refuse new operations, let queued ones finish (up to ``timeout``), stop the thread.
@@ -249,6 +282,7 @@ class ProgressEngine:
         with self._cv:
             if self._closed_reason is None:
                 self._closed_reason = f"{self._where}: {reason}"
+                self.healthy = False
         self.drain(timeout)
         with self._cv:
             self._stop = True
@@ -256,3 +290,4 @@ class ProgressEngine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self.results.clear()

@@ -243,6 +243,58 @@ def test_all_reduce_inexact_floats_are_bitwise_identical(size: int, variant: str
         assert np.all(err <= 2 * size * eps * scale), f"{op.value} {dt}: max error {err.max()}"
 
 
+@pytest.mark.parametrize("variant", ["recursive_doubling", "ring"])
+@pytest.mark.parametrize("size", SIZES_WITH_9)
+def test_all_reduce_out_of_place_matches_in_place_bitwise(size: int, variant: str) -> None:
+    """``send=``: the input is untouched and the result has the in-place call's exact bits."""
+    cases = [(c, op, dt) for c in COUNTS for op, dt in COUNT_CASES]
+    cases += [(301, ReduceOp.SUM, np.dtype(np.float32)), (301, ReduceOp.MIN, np.dtype(np.float64))]
+
+    def data(seed: int, rank: int, count: int, op: ReduceOp, dt: np.dtype) -> np.ndarray:
+        if dt.kind == "f":  # inexact sums: rounding depends on the operand order
+            x = np.random.default_rng([seed, rank]).normal(size=count) * 1e3
+            if op is ReduceOp.MIN:
+                x[::3] = 0.0 if rank % 2 else -0.0
+            return x.astype(dt)
+        return make_input(seed, rank, count, dt, op)
+
+    def fn(link: MemLink) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for i, (count, op, dt) in enumerate(cases):
+            x = data(i, link.rank, count, op, dt)
+            keep = x.copy()
+            res = np.full(count, 7, dt)  # stale contents must not matter
+            algo.all_reduce(link, res, op, send=x, algorithm=variant, chunk_bytes=SMALL_CHUNK)
+            assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), "send was modified"
+            ref = keep.copy()
+            algo.all_reduce(link, ref, op, algorithm=variant, chunk_bytes=SMALL_CHUNK)
+            out.append((res, ref))
+        return out
+
+    results = run(size, fn)
+    for i, (count, op, dt) in enumerate(cases):
+        got = [res[i][0] for res in results]
+        assert_bitwise_same(got, f"count {count} {op.value} {dt}")
+        assert got[0].tobytes() == results[0][i][1].tobytes(), f"count {count} {op.value} {dt}"
+
+
+def test_all_reduce_out_of_place_edge_cases() -> None:
+    def fn(link: MemLink) -> list[list[float]]:
+        x = np.arange(4.0) + link.rank
+        same = x.copy()
+        algo.all_reduce(link, same, "sum", send=same)  # send is buf: in place
+        overlap = np.arange(5.0) + link.rank
+        algo.all_reduce(link, overlap[1:], "sum", send=overlap[:4])  # read from a copy
+        return [same.tolist(), overlap.tolist()]
+
+    got = run(2, fn)
+    assert got[0][0] == [1.0, 3.0, 5.0, 7.0]
+    assert got[0][1] == [0.0, 1.0, 3.0, 5.0, 7.0]
+    out = np.zeros(2)
+    algo.all_reduce(make_memlinks(1)[0], out, "sum", send=np.ones(2))  # a world of one: a copy
+    assert out.tolist() == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("variant", variants("reduce_scatter"))
 @pytest.mark.parametrize("size", SIZES)
 def test_reduce_scatter_ops_dtypes(
@@ -607,6 +659,27 @@ def test_env_overrides_auto_and_keyword_overrides_env(monkeypatch: pytest.Monkey
         algo.select_algorithm("broadcast", 8, 4)
 
 
+def test_env_is_read_once_then_on_select_or_reload(monkeypatch: pytest.MonkeyPatch) -> None:
+    def all_reduce(link: MemLink) -> str:
+        algo.all_reduce(link, np.zeros(1), "sum")
+        return "ok"
+
+    monkeypatch.delenv("MESHCOMM_ALGO_ALL_REDUCE", raising=False)
+    algo.reload_environment()
+    assert run(2, all_reduce) == ["ok", "ok"]
+    monkeypatch.setenv("MESHCOMM_ALGO_ALL_REDUCE", "bogus")
+    assert run(2, all_reduce) == ["ok", "ok"]  # read at first use: a later change is unseen
+    algo.reload_environment()
+    with pytest.raises(InvalidArgument, match=r"MESHCOMM_ALGO_ALL_REDUCE.*'bogus'"):
+        algo.all_reduce(_lonely_link(), np.zeros(1), "sum")
+    monkeypatch.setenv("MESHCOMM_ALGO_ALL_REDUCE", "ring")
+    assert algo.select_algorithm("all_reduce", 8, 2) == "ring"  # re-reads, and remembers
+    assert algo._choose("all_reduce", 8, 2, None) == "ring"
+    monkeypatch.delenv("MESHCOMM_ALGO_ALL_REDUCE")
+    algo.reload_environment()
+    assert algo._choose("all_reduce", 8, 2, None) == "recursive_doubling"
+
+
 def test_unknown_names_are_rejected() -> None:
     with pytest.raises(InvalidArgument, match="unknown collective"):
         algo.select_algorithm("allreduce", 8, 4)
@@ -632,6 +705,21 @@ def _lonely_link() -> MemLink:
         (lambda lk: algo.all_reduce(lk, np.zeros((2, 2)), "sum"), InvalidArgument, "flat"),
         (lambda lk: algo.all_reduce(lk, np.zeros(6)[::2], "sum"), InvalidArgument, "contiguous"),
         (lambda lk: algo.all_reduce(lk, [1.0], "sum"), TypeError, "numpy array"),
+        (
+            lambda lk: algo.all_reduce(lk, np.zeros(3), "sum", send=np.zeros(2)),
+            InvalidArgument,
+            "sizes differ: 2 and 3",
+        ),
+        (
+            lambda lk: algo.all_reduce(lk, np.zeros(3), "sum", send=np.zeros(3, np.float32)),
+            TypeError,
+            "float32 and float64",
+        ),
+        (
+            lambda lk: algo.all_reduce(lk, np.zeros(3), "sum", send=np.zeros(6)[::2]),
+            InvalidArgument,
+            "send must be a flat C-contiguous",
+        ),
         (
             lambda lk: algo.all_reduce(lk, np.zeros(3), "sum", algorithm="x"),
             InvalidArgument,

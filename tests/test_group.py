@@ -22,7 +22,7 @@ import meshcomm.backends.local
 import meshcomm.group
 import meshcomm.testing
 import meshcomm.work
-from meshcomm._arrays import ScratchPool
+from meshcomm._arrays import ResultPool, ScratchPool
 from meshcomm._fingerprint import describe, encode
 from meshcomm.backends.local import SelfCommunicator
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument
@@ -262,6 +262,42 @@ def test_comm_failure_poisons_the_world_and_subgroups(g: ProcessGroup) -> None:
     assert work_error is not None  # refused at issue time, nothing queued
 
 
+def _every_op(g: ProcessGroup, x: np.ndarray, async_op: bool) -> dict[str, object]:
+    """Every collective that reads ``x``, at a world of one, plus a send to self."""
+    out = {
+        "all_reduce": g.all_reduce(x, async_op=async_op),
+        "all_gather": g.all_gather(x, async_op=async_op),
+        "reduce_scatter": g.reduce_scatter(x, async_op=async_op),
+        "all_to_all": g.all_to_all(x, async_op=async_op),
+        "gather": g.gather(x, async_op=async_op),
+        "scatter": g.scatter(x, async_op=async_op),
+        "permute": g.permute(x, [(0, 0)], async_op=async_op),
+        "reduce": g.reduce(x, async_op=async_op),
+        "broadcast": g.broadcast(x, async_op=async_op),
+    }
+    g.send(x, dst=0, tag=3, async_op=async_op)
+    out["recv"] = g.recv(0, tag=3, async_op=async_op)
+    return out
+
+
+def test_async_calls_snapshot_inputs_and_sync_calls_return_fresh_arrays(g: ProcessGroup) -> None:
+    x = np.arange(6.0).reshape(1, 6)  # a leading axis of the group size: every op takes it
+    expected = x.copy()
+    gate = threading.Event()
+    g._engine.submit(lambda: gate.wait(10), "blocker", async_op=True)  # hold the queue
+    works = _every_op(g, x, async_op=True)
+    x[...] = -1  # issued but not run yet: the results must not see this
+    gate.set()
+    for name, work in works.items():
+        got = work.wait(timeout=10)  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(np.ravel(got), expected.ravel(), err_msg=name)
+    x[...] = expected
+    for name, got in _every_op(g, x, async_op=False).items():
+        np.testing.assert_array_equal(np.ravel(got), expected.ravel(), err_msg=name)
+        assert not np.shares_memory(got, x), name
+    np.testing.assert_array_equal(x, expected)
+
+
 def test_queued_ops_after_a_failure_fail_fast() -> None:
     group = ProcessGroup(SelfCommunicator(timeout=10))
     gate = threading.Event()
@@ -449,6 +485,82 @@ def test_scratch_pool_reuses_buffers() -> None:
     big, _ = pool.take(np.dtype(np.uint8), (2 << 20,))
     pool.give(big)  # over max_bytes: dropped, not kept
     assert pool.take(np.dtype(np.uint8), (2 << 20,))[0] is not big
+
+
+class _OutOfPlaceSelf(SelfCommunicator):
+    """A world of one that also offers ``all_reduce_out`` (as backends may, see _lower)."""
+
+    calls = 0
+
+    def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        self.calls += 1
+        np.copyto(recv, send)
+
+
+def test_all_reduce_reads_the_input_in_place_only_when_safe() -> None:
+    comm = _OutOfPlaceSelf(timeout=10)
+    g = ProcessGroup(comm, name="world")
+    x = np.arange(6.0).reshape(2, 3)
+    got = g.all_reduce(x, "avg")
+    assert comm.calls == 1 and not np.shares_memory(got, x)
+    np.testing.assert_array_equal(got, x)
+    # Async: the input is snapshotted at issue, so it may change at once.
+    work = g.all_reduce(x, async_op=True)
+    x[...] = -1
+    np.testing.assert_array_equal(work.wait(timeout=10), np.arange(6.0).reshape(2, 3))
+    # Strided, byte-swapped or scaled inputs are copied into the result first.
+    for y, op, factor in ((x[:, ::2], "sum", None), (x.astype(">f8"), "sum", None),
+                          (x, "premul_sum", 2.0)):  # fmt: skip
+        np.testing.assert_array_equal(g.all_reduce(y, op, factor=factor), y * (factor or 1))
+    assert comm.calls == 1
+    g.close()
+
+
+def test_result_pool_recycles_only_dropped_results() -> None:
+    pool = ResultPool(max_bytes=64 << 20)
+    dt = np.dtype(np.float32)
+    n = ResultPool.MIN_BYTES  # elements: 4 * MIN_BYTES bytes, pooled
+    a = pool.take(dt, n)
+    b = pool.take(dt, n)
+    assert not np.shares_memory(a, b)
+    view = a[10:20]  # a view keeps a's buffer alive ...
+    address = a.ctypes.data
+    del a
+    c = pool.take(dt, n)
+    assert not np.shares_memory(c, view) and not np.shares_memory(c, b)
+    mv = memoryview(c)  # ... and so does an exported buffer
+    del view, c
+    d = pool.take(np.dtype(np.int64), n // 2)  # a's buffer again, as another dtype
+    assert d.dtype == np.int64 and d.ctypes.data == address
+    del mv
+    assert not np.shares_memory(pool.take(dt, n), b)  # b is alive: never handed out again
+    small = pool.take(dt, 4)
+    assert small.base is None  # small results come from numpy directly
+    pool.clear()
+
+
+def test_result_pool_bounds_what_it_keeps() -> None:
+    pool = ResultPool(max_bytes=4 * ResultPool.MIN_BYTES)
+    dt = np.dtype(np.uint8)
+    kept = [pool.take(dt, 2 * ResultPool.MIN_BYTES) for _ in range(3)]
+    assert len(pool._tracked) == 2 and pool._bytes == 4 * ResultPool.MIN_BYTES
+    big = pool.take(dt, 8 * ResultPool.MIN_BYTES)  # over max_bytes: never tracked
+    assert big.base is None and len(pool._tracked) == 2
+    del kept
+    for _ in range(ResultPool.MAX_BUFFERS + 3):
+        pool.take(dt, ResultPool.MIN_BYTES)
+    assert len(pool._tracked) <= ResultPool.MAX_BUFFERS
+
+
+def test_large_results_reuse_memory_in_a_loop(g: ProcessGroup) -> None:
+    x = np.ones(1 << 18, np.float32)  # 1 MiB: pooled
+    y = g.all_reduce(x)
+    first = y.ctypes.data  # an address: holds no reference
+    y = g.all_reduce(x)  # the first result is still alive while this one is made
+    assert y.ctypes.data != first
+    y = g.all_reduce(x)  # ... and dropped by now: its buffer comes back
+    assert y.ctypes.data == first and not np.shares_memory(y, x)
+    np.testing.assert_array_equal(y, x)
 
 
 def test_all_gather_axis0_result_is_the_receive_buffer(g: ProcessGroup) -> None:

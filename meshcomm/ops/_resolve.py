@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshcomm.errors import InvalidArgument
@@ -81,9 +80,8 @@ def axis_dims(axis_name: Any, mesh: DeviceMesh, op: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-@dataclass(frozen=True)
 class Axis:
-    """One resolved ``axis_name`` on one rank.
+    """One resolved ``axis_name`` on one rank (made once per op, names and mesh; reused).
 
     Attributes:
         mesh: the mesh the names belong to.
@@ -93,17 +91,26 @@ class Axis:
         where: names the op, the axis and the rank for error messages.
     """
 
-    mesh: DeviceMesh
-    dims: tuple[int, ...]
-    size: int
-    index: int
-    where: str
+    __slots__ = ("_group", "dims", "index", "mesh", "size", "where")
+
+    def __init__(
+        self, mesh: DeviceMesh, dims: tuple[int, ...], size: int, index: int, where: str
+    ) -> None:
+        self.mesh, self.dims, self.size, self.index, self.where = mesh, dims, size, index, where
+        self._group: ProcessGroup | None = None
 
     def group(self) -> ProcessGroup | None:
         """The group along these dims (None for an empty tuple: nothing to communicate)."""
-        if not self.dims:
-            return None
-        return self.mesh._group_for_dims(self.dims)
+        if self._group is None and self.dims:
+            # The mesh keeps the groups it made for good, so remembering ours is exact.
+            self._group = self.mesh._group_for_dims(self.dims)
+        return self._group
+
+    def __repr__(self) -> str:
+        return f"Axis(dims={self.dims}, size={self.size}, index={self.index}, {self.where!r})"
+
+
+_AXES = "_ops_axes"  # the per-mesh cache of Axis objects, in the mesh's __dict__
 
 
 def resolve(axis_name: Any, mesh: DeviceMesh | None, op: str) -> Axis:
@@ -123,7 +130,15 @@ def resolve(axis_name: Any, mesh: DeviceMesh | None, op: str) -> Axis:
     """
     m = get_mesh(mesh, op)
     key = axis_name if isinstance(axis_name, str) else _key(axis_name)
-    # Per-mesh cache: ops resolve the same few axis names on every call.
+    # Per-mesh caches: ops resolve the same few axis names on every call. The Axis objects
+    # live in the mesh's own __dict__ so they go away with it.
+    axes: dict[Any, Axis] | None = m.__dict__.get(_AXES)
+    if axes is None:
+        axes = m.__dict__[_AXES] = {}
+    if key is not None:
+        found = axes.get((op, key))
+        if found is not None:
+            return found
     cache: dict[Any, tuple[tuple[int, ...], int, int, str]] | None = getattr(m, "_axis_cache", None)
     if cache is None:
         cache = {}
@@ -142,7 +157,10 @@ def resolve(axis_name: Any, mesh: DeviceMesh | None, op: str) -> Axis:
         if key is not None:
             cache[key] = hit
     dims, size, index, tail = hit
-    return Axis(m, dims, size, index, f"{op} {tail}")
+    axis = Axis(m, dims, size, index, f"{op} {tail}")
+    if key is not None:
+        axes[(op, key)] = axis
+    return axis
 
 
 def _key(axis_name: Any) -> tuple[str, ...] | None:

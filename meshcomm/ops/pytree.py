@@ -171,6 +171,8 @@ def as_leaf(x: Any, where: str) -> Any:
         >>> as_leaf(3, "psum").dtype
         dtype('int64')
     """
+    if type(x) is np.ndarray:  # the common case, first
+        return as_array(x, where)
     if array_namespace(x) is not np:
         check_dtype(x.dtype, where)
         return x

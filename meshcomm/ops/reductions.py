@@ -46,8 +46,10 @@ class _Reduce(Kernel):
         self.jax_bool, self.mean = jax_bool, mean
 
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
-        if self.jax_bool and arr.dtype == np.bool_:
+        kind = arr.dtype.kind
+        if self.jax_bool and kind == "b":
             arr = arr.astype(np.int32)  # as jax.lax.psum: booleans are summed as int32
+            kind = "i"
         op = self.op
         if (op is ReduceOp.PREMUL_SUM) != (self.factor is not None):
             raise InvalidArgument(
@@ -55,10 +57,10 @@ class _Reduce(Kernel):
                 f"{op.value!r} and factor={self.factor!r}"
             )
         divide = None
-        if self.mean and arr.dtype.kind in "biu":
+        if self.mean and kind in "biu":
             # As JAX (with x64): sum as ints, then divide as float32, float64 for 64-bit ints.
             op, divide = ReduceOp.SUM, np.dtype(np.float64 if arr.itemsize == 8 else np.float32)
-        if not _allowed(op, arr.dtype.kind):
+        if not _allowed(op, kind):
             try:
                 check_op_dtype(op, arr.dtype)  # raises, with the reason
             except TypeError as exc:
@@ -124,8 +126,20 @@ def _reduce(
     mean: bool = False,
 ) -> Any:
     axis = resolve(axis_name, mesh, name)
-    kernel = _Reduce(op, factor, axis.size, jax_bool=jax_bool, mean=mean)
+    if factor is None:
+        # Kernels without a factor are stateless: one per (op, size, flavour), reused.
+        key = (op, axis.size, jax_bool, mean)
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = _Reduce(op, None, axis.size, jax_bool=jax_bool, mean=mean)
+            if len(_KERNELS) < 256:
+                _KERNELS[key] = kernel
+    else:
+        kernel = _Reduce(op, factor, axis.size, jax_bool=jax_bool, mean=mean)
     return run(kernel, x, axis.where, axis.group, async_op)
+
+
+_KERNELS: dict[tuple[ReduceOp, int, bool, bool], _Reduce] = {}
 
 
 def psum(

@@ -8,7 +8,10 @@ any dtype (bfloat16 included); reduce ops are the primitive ones (SUM PROD MIN M
 Which algorithm runs depends on the message size and the world size (the ``*_BYTES`` constants
 below, read at call time), unless the caller forces one with ``algorithm=`` or the environment
 names one in ``MESHCOMM_ALGO_<COLLECTIVE>`` (for example ``MESHCOMM_ALGO_ALL_REDUCE=ring``). The
-choice must be the same on every rank, so set such variables on all ranks alike.
+choice must be the same on every rank, so set such variables on all ranks alike. As NCCL does
+with ``NCCL_ALGO``, a variable is read once per process, at the collective's first use (reading
+the environment costs microseconds, more than the rest of a small collective's bookkeeping);
+:func:`select_algorithm` re-reads its collective's variable, :func:`reload_environment` all.
 
 =================  ==========================================================================
 collective         algorithms (auto choice; "bytes" is the size named in ``select_algorithm``)
@@ -70,6 +73,7 @@ __all__ = [
     "gather",
     "reduce",
     "reduce_scatter",
+    "reload_environment",
     "scatter",
     "select_algorithm",
 ]
@@ -131,11 +135,56 @@ def _auto(collective: str, nbytes: int, size: int) -> str:
     return "dissemination"
 
 
+# MESHCOMM_ALGO_<COLLECTIVE> as read (stripped, lower case; None when unset or empty), by
+# collective. Filled on first use; see reload_environment.
+_ENV: dict[str, str | None] = {}
+
+
+def _read_env(collective: str) -> str | None:
+    value = os.environ.get(f"MESHCOMM_ALGO_{collective.upper()}", "").strip().lower() or None
+    _ENV[collective] = value
+    return value
+
+
+def reload_environment() -> None:
+    """Re-read every ``MESHCOMM_ALGO_<COLLECTIVE>`` variable at the next collective.
+
+    Example:
+        >>> import os
+        >>> os.environ["MESHCOMM_ALGO_ALL_REDUCE"] = "ring"; reload_environment()
+        >>> select_algorithm("all_reduce", 8, 4)
+        'ring'
+        >>> del os.environ["MESHCOMM_ALGO_ALL_REDUCE"]; reload_environment()
+    """
+    _ENV.clear()
+
+
+def _choose(collective: str, nbytes: int, size: int, algorithm: str | None) -> str:
+    """:func:`select_algorithm` for the collectives: the environment as read at first use."""
+    source = "algorithm="
+    if algorithm is None:
+        try:
+            algorithm = _ENV[collective]
+        except KeyError:
+            algorithm = _read_env(collective)
+        source = f"MESHCOMM_ALGO_{collective.upper()}"
+    if algorithm is None or algorithm == "auto":
+        return _auto(collective, nbytes, size)
+    choices = ALGORITHMS[collective]
+    if algorithm not in choices:
+        raise InvalidArgument(
+            f"{source} names unknown {collective} algorithm {algorithm!r}; "
+            f"choose from auto, {', '.join(choices)}"
+        )
+    return algorithm
+
+
 def select_algorithm(collective: str, nbytes: int, size: int, algorithm: str | None = None) -> str:
     """Return the algorithm ``collective`` runs for ``nbytes`` on ``size`` ranks.
 
-    ``algorithm`` wins when given; otherwise ``MESHCOMM_ALGO_<COLLECTIVE>`` when set; otherwise
-    the size rules. ``"auto"`` (or an empty variable) means the size rules.
+    ``algorithm`` wins when given; otherwise ``MESHCOMM_ALGO_<COLLECTIVE>`` when set (read now,
+    and remembered for the collectives that follow); otherwise the size rules. ``"auto"`` (or
+    an empty variable) means the size rules.
 
     Args:
         collective: a key of ``ALGORITHMS``, such as ``"all_reduce"``.
@@ -154,22 +203,11 @@ def select_algorithm(collective: str, nbytes: int, size: int, algorithm: str | N
         >>> select_algorithm("all_gather", 64, 6)
         'bruck'
     """
-    choices = ALGORITHMS.get(collective)
-    if choices is None:
+    if collective not in ALGORITHMS:
         raise InvalidArgument(f"unknown collective {collective!r}; known: {', '.join(ALGORITHMS)}")
-    source = "algorithm="
     if algorithm is None:
-        variable = f"MESHCOMM_ALGO_{collective.upper()}"
-        algorithm = os.environ.get(variable, "").strip().lower() or None
-        source = variable
-    if algorithm is None or algorithm == "auto":
-        return _auto(collective, nbytes, size)
-    if algorithm not in choices:
-        raise InvalidArgument(
-            f"{source} names unknown {collective} algorithm {algorithm!r}; "
-            f"choose from auto, {', '.join(choices)}"
-        )
-    return algorithm
+        _read_env(collective)
+    return _choose(collective, nbytes, size, algorithm)
 
 
 # -- argument checks (all before any I/O) ---------------------------------------------------
@@ -195,8 +233,34 @@ def _check_same_dtype(rank: int, where: str, send: np.ndarray, recv: np.ndarray)
         )
 
 
+# (op, dtype kind) pairs a primitive op is defined for; anything else takes the slow path,
+# which raises with the reason. check_op_dtype formats dtype names, too slow for every call.
+_PRIMITIVE = (
+    ReduceOp.SUM,
+    ReduceOp.PROD,
+    ReduceOp.MIN,
+    ReduceOp.MAX,
+    ReduceOp.BAND,
+    ReduceOp.BOR,
+    ReduceOp.BXOR,
+)
+
+
+def _defined(op: ReduceOp, kind: str) -> bool:
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        return kind != "c"
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        return kind in "biu"
+    return True
+
+
+_OP_KINDS = frozenset((op, kind) for op in _PRIMITIVE for kind in "biufcV" if _defined(op, kind))
+
+
 def _check_op(rank: int, where: str, op: ReduceOp | str, dtype: np.dtype) -> ReduceOp:
-    parsed = parse_op(op)
+    parsed = op if isinstance(op, ReduceOp) else parse_op(op)
+    if (parsed, dtype.kind) in _OP_KINDS:
+        return parsed
     if parsed in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
         raise InvalidArgument(
             f"rank {rank}: {where} takes primitive reduce ops; {parsed.value!r} is composed "
@@ -216,6 +280,8 @@ def _check_root(rank: int, where: str, root: object, size: int) -> int:
 
 
 def _chunk_elems(rank: int, chunk_bytes: int | None, itemsize: int) -> int:
+    if chunk_bytes is None and itemsize:
+        return max(1, CHUNK_BYTES // itemsize)
     nbytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
         raise InvalidArgument(f"rank {rank}: chunk_bytes must be a positive int, got {nbytes!r}")
@@ -235,22 +301,31 @@ def all_reduce(
     buf: np.ndarray,
     op: ReduceOp | str,
     *,
+    send: np.ndarray | None = None,
     algorithm: str | None = None,
     chunk_bytes: int | None = None,
 ) -> None:
     """Reduce ``buf`` across all ranks, in place; every rank ends with identical bytes.
 
+    With ``send``, out of place: ``send`` is this rank's contribution (left untouched) and
+    ``buf`` only receives the result. The first combine of each block then reads ``send``
+    and writes ``buf`` in one pass, so no copy of the input is ever made (an in-place call on
+    a copy of the input costs one more pass over memory).
+
     Args:
         link: this rank's link.
-        buf: the local contribution, overwritten by the result.
+        buf: the local contribution, overwritten by the result (with ``send``: only the
+            result; its contents are ignored).
         op: a primitive reduce op (or its name) defined for ``buf.dtype``.
+        send: the local contribution for an out-of-place call: a flat C-contiguous array of
+            ``buf``'s dtype and size (one that overlaps ``buf`` is read from a copy).
         algorithm: ``"recursive_doubling"``, ``"ring"``, ``"auto"``, or None (see
             :func:`select_algorithm`).
         chunk_bytes: pipelining unit of the ring (default ``CHUNK_BYTES``).
 
     Raises:
         InvalidArgument: bad buffer, op, or algorithm (before any I/O).
-        TypeError: ``op`` is not defined for the dtype.
+        TypeError: ``op`` is not defined for the dtype, or ``send`` has another dtype.
         CommTimeout, PeerError: from the link.
 
     Example:
@@ -262,18 +337,38 @@ def all_reduce(
         ...     return buf.tolist()
         >>> run_threads(3, fn)
         [[2, 10], [2, 10], [2, 10]]
+        >>> def out_of_place(link):
+        ...     x, out = np.full(2, link.rank + 1.0), np.empty(2)
+        ...     all_reduce(link, out, "sum", send=x)
+        ...     return x.tolist(), out.tolist()
+        >>> run_threads(3, out_of_place)[2]
+        ([3.0, 3.0], [6.0, 6.0])
     """
     r, p = link.rank, link.size
     _check_array(r, "all_reduce", "buf", buf, writable=True)
+    if send is not None:
+        _check_array(r, "all_reduce", "send", send, writable=False)
+        _check_same_dtype(r, "all_reduce", send, buf)
+        if send.size != buf.size:
+            raise InvalidArgument(
+                f"rank {r}: all_reduce send and buf sizes differ: {send.size} and {buf.size}"
+            )
+        if send is buf:
+            send = None
     rop = _check_op(r, "all_reduce", op, buf.dtype)
-    name = select_algorithm("all_reduce", buf.nbytes, p, algorithm)
+    name = _choose("all_reduce", buf.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, buf.itemsize)
+    if send is not None:
+        if p == 1:
+            np.copyto(buf, send)
+            return
+        send = _detach(send, buf)
     if p == 1 or buf.size == 0:
         return
     if name == "ring":
-        _reduce.all_reduce_ring(link, buf, rop, chunk)
+        _reduce.all_reduce_ring(link, buf, rop, chunk, send)
     else:
-        _reduce.all_reduce_recursive_doubling(link, buf, rop)
+        _reduce.all_reduce_recursive_doubling(link, buf, rop, send)
 
 
 def all_gather(
@@ -311,7 +406,7 @@ def all_gather(
             f"rank {r}: all_gather recv must hold size * len(send) = {p} * {send.size} = "
             f"{p * send.size} elements, got {recv.size}"
         )
-    name = select_algorithm("all_gather", recv.nbytes, p, algorithm)
+    name = _choose("all_gather", recv.nbytes, p, algorithm)
     if send.size == 0:
         return
     send = _detach(send, recv)
@@ -371,7 +466,7 @@ def reduce_scatter(
             f"{p * recv.size} elements, got {send.size}"
         )
     rop = _check_op(r, "reduce_scatter", op, send.dtype)
-    name = select_algorithm("reduce_scatter", send.nbytes, p, algorithm)
+    name = _choose("reduce_scatter", send.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, send.itemsize)
     if recv.size == 0:
         return
@@ -419,7 +514,7 @@ def all_to_all(
             f"rank {r}: all_to_all send and recv must both hold size * n elements (size {p}), "
             f"got {send.size} and {recv.size}"
         )
-    name = select_algorithm("all_to_all", send.nbytes, p, algorithm)
+    name = _choose("all_to_all", send.nbytes, p, algorithm)
     if send.size == 0:
         return
     send = _detach(send, recv)
@@ -465,7 +560,7 @@ def broadcast(
     r, p = link.rank, link.size
     _check_array(r, "broadcast", "buf", buf, writable=True)
     root = _check_root(r, "broadcast", root, p)
-    name = select_algorithm("broadcast", buf.nbytes, p, algorithm)
+    name = _choose("broadcast", buf.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, buf.itemsize)
     if p == 1 or buf.size == 0:
         return
@@ -515,7 +610,7 @@ def reduce(
     _check_array(r, "reduce", "buf", buf, writable=True)
     root = _check_root(r, "reduce", root, p)
     rop = _check_op(r, "reduce", op, buf.dtype)
-    name = select_algorithm("reduce", buf.nbytes, p, algorithm)
+    name = _choose("reduce", buf.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, buf.itemsize)
     if p == 1 or buf.size == 0:
         return
@@ -571,7 +666,7 @@ def gather(
                 f"{p * send.size} elements, got {recv.size}"
             )
         send = _detach(send, recv)
-    name = select_algorithm("gather", p * send.nbytes, p, algorithm)
+    name = _choose("gather", p * send.nbytes, p, algorithm)
     if send.size == 0:
         return
     if p == 1:
@@ -630,7 +725,7 @@ def scatter(
                 f"{p * recv.size} elements, got {send.size}"
             )
         send = _detach(send, recv)
-    name = select_algorithm("scatter", p * recv.nbytes, p, algorithm)
+    name = _choose("scatter", p * recv.nbytes, p, algorithm)
     if recv.size == 0:
         return
     if p == 1:
@@ -658,6 +753,6 @@ def barrier(link: Link, *, algorithm: str | None = None) -> None:
         >>> run_threads(5, barrier)
         [None, None, None, None, None]
     """
-    select_algorithm("barrier", 0, link.size, algorithm)
+    _choose("barrier", 0, link.size, algorithm)
     if link.size > 1:
         _bcast.barrier_dissemination(link)

@@ -1,4 +1,5 @@
-"""Shared pieces of the collective algorithms: block boundaries, binomial trees, scratch memory.
+"""Shared pieces of the collective algorithms: block boundaries, binomial trees, scratch memory,
+and the reduction kernels.
 
 Nothing here does I/O. Everything is small integer arithmetic that every rank computes the
 same way, which is what keeps the two ends of every message agreeing on its size.
@@ -12,8 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from meshcomm.reduction import ReduceOp
+
 __all__ = [
     "block_bounds",
+    "combine_into",
     "rel_pieces",
     "scratch",
     "subtree_size",
@@ -24,6 +28,19 @@ __all__ = [
 
 #: Scratch buffers larger than this are not kept between calls (they would pin memory).
 SCRATCH_CACHE_MAX_BYTES = 64 << 20
+#: Scratch buffers up to this size are plain allocations: malloc serves them from the heap
+#: (no fresh pages) faster than the per-link cache is looked up.
+SCRATCH_SMALL_BYTES = 64 << 10
+
+_UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
 
 # Offsets of carved scratch arrays are rounded up to a cache line, which also satisfies the
 # alignment of every numpy dtype (complex128 needs 16).
@@ -105,6 +122,21 @@ def tree_children(v: int, size: int) -> list[int]:
     return children
 
 
+def combine_into(op: ReduceOp, first: np.ndarray, second: np.ndarray, out: np.ndarray) -> None:
+    """``out = op(first, second)``, elementwise, with no temporary; ``out`` may be either input.
+
+    The operand order is kept (it decides which NaN payload survives), so ranks that combine
+    the same operands in the same order get the same bytes. ``op`` is a primitive op; on bool,
+    numpy's add and multiply are logical or and and: what sum and prod mean there.
+
+    Example:
+        >>> a, b = np.array([1, 5]), np.array([3, 2])
+        >>> combine_into(ReduceOp.MAX, a, b, out=b); b
+        array([3, 5])
+    """
+    _UFUNCS[op](first, second, out=out)
+
+
 def scratch(link: object, dtype: np.dtype, *counts: int) -> list[np.ndarray]:
     """Return one uninitialized array of ``dtype`` per count, carved from a per-link buffer.
 
@@ -113,6 +145,8 @@ def scratch(link: object, dtype: np.dtype, *counts: int) -> list[np.ndarray]:
     takes its scratch once per call, so two live carvings never overlap.
     """
     itemsize = dtype.itemsize
+    if len(counts) == 1 and counts[0] * itemsize <= SCRATCH_SMALL_BYTES:
+        return [np.empty(counts[0], dtype)]
     offsets = []
     total = 0
     for count in counts:
@@ -126,8 +160,8 @@ def scratch(link: object, dtype: np.dtype, *counts: int) -> list[np.ndarray]:
 
 
 def _raw_buffer(link: object, nbytes: int) -> np.ndarray:
-    if nbytes > SCRATCH_CACHE_MAX_BYTES:
-        return np.empty(nbytes, np.uint8)
+    if nbytes > SCRATCH_CACHE_MAX_BYTES or nbytes <= SCRATCH_SMALL_BYTES:
+        return np.empty(max(nbytes, _ALIGN), np.uint8)
     try:
         with _cache_lock:
             cached = _cache.get(link)

@@ -1,7 +1,8 @@
 """Reducing collectives: all_reduce, reduce_scatter, reduce.
 
 Each function is one algorithm; :mod:`meshcomm.backends.algorithms` validates arguments and
-picks which one runs. Combines go through :func:`meshcomm.reduction.combine` (a numpy ufunc
+picks which one runs. Combines go through :func:`meshcomm.reduction.combine` or
+:func:`~meshcomm.backends.algorithms._common.combine_into` (a numpy ufunc
 writing in place), on chunks of at most ``chunk`` elements where an algorithm pipelines.
 
 Reproducibility: every all_reduce result element is either computed once and then copied to
@@ -16,6 +17,7 @@ import numpy as np
 
 from meshcomm.backends.algorithms._common import (
     block_bounds,
+    combine_into,
     scratch,
     tree_children,
     tree_parent,
@@ -35,58 +37,69 @@ __all__ = [
 ]
 
 
-def all_reduce_recursive_doubling(link: Link, buf: np.ndarray, op: ReduceOp) -> None:
+def all_reduce_recursive_doubling(
+    link: Link, buf: np.ndarray, op: ReduceOp, send: np.ndarray | None = None
+) -> None:
     """Recursive doubling: ``log2`` steps of whole-buffer swaps with partner ``rank ^ 2**k``.
 
     For ``p = 2**k + e`` ranks the first ``2e`` pair up: the even one sends its buffer to its
-    odd neighbour before the doubling and receives the result after it.
+    odd neighbour before the doubling and receives the result after it. Each step receives
+    into one scratch buffer and combines into ``buf`` in place (operands in rank order, so
+    every rank computes the same bytes): no copy at the end. With ``send`` (out of place),
+    the contribution is read from ``send`` until the first combine has written ``buf``.
     """
     p, r = link.size, link.rank
     p2 = 1 << (p.bit_length() - 1)
     extra = p - p2
+    mine = buf if send is None else send  # this rank's partial result so far
     if r < 2 * extra and r % 2 == 0:
-        link.exchange([(r + 1, buf)], [])
+        link.exchange([(r + 1, mine)], [])
         link.exchange([], [(r + 1, buf)])
         return
-    (tmp,) = scratch(link, buf.dtype, buf.size)
-    # acc holds this rank's partial result; spare receives. They swap roles instead of copying.
-    acc, spare = buf, tmp
+    (spare,) = scratch(link, buf.dtype, buf.size)
     if r < 2 * extra:
         link.exchange([], [(r - 1, spare)])
-        combine(op, spare, acc)
-        acc, spare = spare, acc
+        combine_into(op, spare, mine, buf)  # the even (lower) rank's operand first
+        mine = buf
         new = r // 2
     else:
         new = r - extra
     mask = 1
-    while mask < p2:
+    while mask < p2:  # at least one step: p >= 2 here
         partner = new ^ mask
         peer = 2 * partner + 1 if partner < extra else partner + extra
-        link.exchange([(peer, acc)], [(peer, spare)])
+        link.exchange([(peer, mine)], [(peer, spare)])
         if new < partner:
-            combine(op, acc, spare)
+            combine_into(op, mine, spare, buf)
         else:
-            combine(op, spare, acc)
-            acc, spare = spare, acc
+            combine_into(op, spare, mine, buf)
+        mine = buf
         mask <<= 1
     if r < 2 * extra:
-        link.exchange([(r - 1, acc)], [])
-    if acc is not buf:
-        np.copyto(buf, acc)
+        link.exchange([(r - 1, buf)], [])
 
 
 def ring_reduce_scatter_inplace(
-    link: Link, buf: np.ndarray, bounds: list[int], op: ReduceOp, chunk: int
+    link: Link,
+    buf: np.ndarray,
+    bounds: list[int],
+    op: ReduceOp,
+    chunk: int,
+    send: np.ndarray | None = None,
 ) -> None:
     """Ring reduce-scatter in place: afterwards rank r's block of ``buf`` holds the reduction.
 
-    Blocks are ``buf[bounds[b]:bounds[b+1]]``; other blocks are left holding partial results.
-    The loop is chunk-major: each chunk goes round the ring before the next starts, so the
-    receive scratch is one chunk and stays in cache while it is combined.
+    Blocks are ``buf[bounds[b]:bounds[b+1]]``; other blocks are left holding partial results
+    (and, with ``send``, block ``r - 1`` is left unwritten). The loop is chunk-major: each
+    chunk goes round the ring before the next starts, so the receive scratch is one chunk and
+    stays in cache while it is combined, straight into ``buf`` (``ufunc(..., out=)``, no
+    temporary). With ``send`` (out of place) this rank's contributions are read from
+    ``send``: each block's one combine on this rank reads ``send`` and writes ``buf``.
     """
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
     largest = bounds[1] - bounds[0]
+    own = buf if send is None else send
     (tmp,) = scratch(link, buf.dtype, min(chunk, largest))
     for off in range(0, largest, chunk):
         for s in range(p - 1):
@@ -95,19 +108,24 @@ def ring_reduce_scatter_inplace(
             s1 = min(s0 + chunk, bounds[sb + 1])
             r0 = bounds[rb] + off
             r1 = min(r0 + chunk, bounds[rb + 1])
-            sends = [(right, buf[s0:s1])] if s1 > s0 else []
+            # Step 0 forwards this rank's own contribution; later steps forward the block
+            # combined at the step before.
+            outgoing = own if s == 0 else buf
+            sends = [(right, outgoing[s0:s1])] if s1 > s0 else []
             if r1 > r0:
                 piece = tmp[: r1 - r0]
                 link.exchange(sends, [(left, piece)])
-                combine(op, buf[r0:r1], piece)
+                combine_into(op, own[r0:r1], piece, buf[r0:r1])
             elif sends:
                 link.exchange(sends, [])
 
 
-def all_reduce_ring(link: Link, buf: np.ndarray, op: ReduceOp, chunk: int) -> None:
+def all_reduce_ring(
+    link: Link, buf: np.ndarray, op: ReduceOp, chunk: int, send: np.ndarray | None = None
+) -> None:
     """Ring all-reduce: pipelined ring reduce-scatter, then ring all-gather of the blocks."""
     bounds = block_bounds(buf.size, link.size)
-    ring_reduce_scatter_inplace(link, buf, bounds, op, chunk)
+    ring_reduce_scatter_inplace(link, buf, bounds, op, chunk, send)
     ring_allgather_inplace(link, buf, bounds)
 
 
@@ -146,8 +164,9 @@ def reduce_scatter_direct(link: Link, send: np.ndarray, recv: np.ndarray, op: Re
     slot = {j: tmp[i * n : (i + 1) * n] for i, j in enumerate(peers)}
     slot[r] = send[r * n : (r + 1) * n]
     link.exchange([(j, send[j * n : (j + 1) * n]) for j in peers], [(j, slot[j]) for j in peers])
-    np.copyto(recv, slot[0])
-    for j in range(1, p):
+    # In rank order, the first combine writing straight into recv (no copy of slot 0).
+    combine_into(op, slot[0], slot[1], recv)
+    for j in range(2, p):
         combine(op, recv, slot[j])
 
 
