@@ -38,8 +38,9 @@ from meshcomm.errors import (
     StoreTimeout,
 )
 
-# Eager on purpose: the function ``spawn`` shares its name with its module, and a lazy
-# binding would be replaced by the module the first time anything imports meshcomm.spawn.
+# Eager on purpose: ``spawn`` and ``info`` share their names with their modules, and a lazy
+# binding would be replaced by the module the first time anything imports that module.
+from meshcomm.info import info
 from meshcomm.spawn import SpawnContext, spawn
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ __all__ = [
     "distributed",
     "get_world",
     "get_world_info",
+    "info",
     "init",
     "init_device_mesh",
     "is_initialized",

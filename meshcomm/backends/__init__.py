@@ -29,6 +29,10 @@ def create_world_communicator(
     """
     if backend not in BACKENDS:
         raise InvalidArgument(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    if backend == "mpi":  # the world is MPI_COMM_WORLD: no store needed, any size
+        from meshcomm.backends.mpi import MpiCommunicator
+
+        return MpiCommunicator.create_world(rank, size, timeout)
     if size == 1 and backend in ("tcp", "self"):
         from meshcomm.backends.local import SelfCommunicator
 

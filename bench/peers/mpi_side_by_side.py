@@ -1,0 +1,155 @@
+"""meshcomm's mpi backend and raw mpi4py, side by side in one MPI job. Run under mpiexec.
+
+    mpiexec -n 2 python bench/peers/mpi_side_by_side.py all_reduce 8 64M --repeats 5
+
+For each size, both are timed ``--repeats`` times, alternating (raw, meshcomm, raw, ...) so
+machine noise hits both alike, exactly as ``meshcomm-bench`` and ``mpi4py_bench.py`` time
+them (warm-up, barrier, mean of the timed iterations, slowest rank); the median per size is
+kept. meshcomm runs ``group.all_reduce(x)`` (functional: a fresh result each call); raw
+mpi4py runs ``comm.Allreduce(x, out)`` into a preallocated buffer, its best case.
+
+Rank 0 prints a table (time, busbw, meshcomm - raw in us, busbw ratio) and, with ``--json``,
+one JSON line of rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import float32_input, iters_for, sizes
+
+import meshcomm
+from meshcomm.bench import bus_factor, parse_size
+
+
+def _time(run: Callable[[], object], iters: int, barrier: Callable[[], None]) -> float:
+    for _ in range(3):
+        run()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    return (time.perf_counter() - start) / iters
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("op", choices=["all_reduce", "mesh"])
+    p.add_argument("min_bytes", type=parse_size, nargs="?", default=8)
+    p.add_argument("max_bytes", type=parse_size, nargs="?", default=parse_size("64M"))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    group = meshcomm.init(backend="mpi")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    world, rank = comm.Get_size(), comm.Get_rank()
+
+    def slowest(seconds: float) -> float:
+        return float(comm.allreduce(seconds, op=MPI.MAX))
+
+    if args.op == "mesh":
+        mesh_costs(group, comm, args.repeats, slowest)
+        meshcomm.shutdown()
+        return
+    rows = []
+    for size in sizes(args.min_bytes, args.max_bytes):
+        x = float32_input(size // 4)
+        out = np.empty_like(x)
+        expected = x * world
+        got = group.all_reduce(x)
+        comm.Allreduce(x, out)
+        wrong = int(np.count_nonzero(got != expected)) + int(np.count_nonzero(out != expected))
+        iters = iters_for(size)
+        raw_t, mc_t = [], []
+
+        def raw_run(x: np.ndarray = x, out: np.ndarray = out) -> None:
+            comm.Allreduce(x, out)
+
+        def meshcomm_run(x: np.ndarray = x) -> None:
+            group.all_reduce(x)
+
+        for _ in range(args.repeats):
+            raw_t.append(slowest(_time(raw_run, iters, comm.Barrier)))
+            mc_t.append(slowest(_time(meshcomm_run, iters, comm.Barrier)))
+        raw, mc = statistics.median(raw_t), statistics.median(mc_t)
+        factor = bus_factor(args.op, world)
+        rows.append(
+            {
+                "op": args.op,
+                "world": world,
+                "size": size,
+                "raw_us": raw * 1e6,
+                "meshcomm_us": mc * 1e6,
+                "added_us": (mc - raw) * 1e6,
+                "raw_busbw": size / raw / 1e9 * factor,
+                "meshcomm_busbw": size / mc / 1e9 * factor,
+                "busbw_ratio": raw / mc,
+                "wrong": wrong,
+            }
+        )
+    if rank == 0:
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print(f"# {args.op}, world {world}: raw mpi4py Allreduce vs meshcomm mpi backend")
+            print(f"# {args.repeats} alternating repeats per size, medians; busbw in GB/s")
+            print(
+                f"{'size':>10} {'raw(us)':>10} {'meshcomm(us)':>13} {'added(us)':>10} "
+                f"{'raw busbw':>10} {'mc busbw':>10} {'ratio':>6} {'#wrong':>7}"
+            )
+            for r in rows:
+                print(
+                    f"{r['size']:>10} {r['raw_us']:>10.1f} {r['meshcomm_us']:>13.1f} "
+                    f"{r['added_us']:>10.1f} {r['raw_busbw']:>10.3f} {r['meshcomm_busbw']:>10.3f} "
+                    f"{r['busbw_ratio']:>6.2f} {r['wrong']:>7}"
+                )
+    meshcomm.shutdown()
+
+
+def mesh_costs(group: Any, comm: Any, repeats: int, slowest: Callable[[float], float]) -> None:
+    """Time ``init_device_mesh`` (one split per axis) and ``cart_subs`` on the whole world."""
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    n = comm.Get_size()
+    shape = (2, n // 2) if n % 2 == 0 and n > 2 else (n,)
+    names = ("dp", "tp")[: len(shape)]
+    made, first, cart = [], [], []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        mesh = init_device_mesh(shape, names, backend="mpi")
+        t1 = time.perf_counter()
+        for name in names:
+            ops.psum(np.ones(1, np.float32), name, mesh=mesh)
+        t2 = time.perf_counter()
+        made.append(slowest(t1 - t0))
+        first.append(slowest(t2 - t1))
+        comm.Barrier()
+        t0 = time.perf_counter()
+        axes = group._comm.cart_subs(shape)
+        cart.append(slowest(time.perf_counter() - t0))
+        for axis in axes:
+            axis.close()
+    if comm.Get_rank() == 0:
+        print(f"# mesh {shape} on {n} ranks, mpi backend, medians of {repeats} (slowest rank)")
+        print(f"init_device_mesh{shape}: {statistics.median(made) * 1e3:.2f} ms")
+        print(f"first psum on each axis: {statistics.median(first) * 1e3:.2f} ms")
+        print(f"MpiCommunicator.cart_subs{shape}: {statistics.median(cart) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""The mpi backend under a real ``mpiexec`` (MPICH from PyPI): conformance, dtypes, failures.
+
+Each test launches ``mpiexec -n N python tests/test_mpi.py CASE [ARGS]``; in every rank this
+file runs the named case (a function below, registered with ``@case``) and writes its
+result as JSON to a file per rank. The launch runs in its own session and is killed whole if it
+outlives its deadline, so a test never hangs. The pytest process itself never imports
+``mpi4py.MPI`` (that would initialize MPI here).
+
+Skipped, with the reason, when mpi4py or mpiexec is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+_LAUNCHER_PREFIXES = ("MESHCOMM_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL", "HYDRA_")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+_OUT_ENV = "MESHCOMM_TEST_RESULTS"  # where each rank writes rank<N>.json
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec next to this Python (the venv's MPICH), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def _why_skip() -> str:
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'meshcomm[mpi]')"
+    if find_mpiexec() is None:
+        return "no mpiexec next to this Python or on PATH (pip install mpich)"
+    return ""
+
+
+SKIP = _why_skip()
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(bool(SKIP), reason=SKIP)]
+
+
+class MpiRun:
+    """The outcome of one mpiexec launch: exit code, output, and each rank's result."""
+
+    def __init__(self, rc: int, out: str, err: str, seconds: float, results: list[Any]) -> None:
+        self.rc, self.out, self.err, self.seconds = rc, out, err, seconds
+        self.results = results
+
+    def tail(self) -> str:
+        return f"rc={self.rc}\n--- stdout\n{self.out[-3000:]}\n--- stderr\n{self.err[-3000:]}"
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` without any launcher's variables (an outer srun must not leak in)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(_LAUNCHER_PREFIXES) or k in _LAUNCHER_VARS or k == "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("MESHCOMM_TIMEOUT", "60")
+    env.update(extra or {})
+    return env
+
+
+def mpirun(
+    nprocs: int,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 90.0,
+    script: Sequence[str] | None = None,
+) -> MpiRun:
+    """Run ``mpiexec -n nprocs python [script] argv`` (default script: this file's cases)."""
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    program = [sys.executable, *(script if script is not None else [str(HERE)])]
+    command = [mpiexec, "-n", str(nprocs), *program, *argv]
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="meshcomm-mpi-") as results_dir:
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env({**(env or {}), _OUT_ENV: results_dir}),
+            cwd=str(REPO),
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and every rank
+            out, err = proc.communicate()
+            pytest.fail(f"mpiexec -n {nprocs} {argv} ran past {timeout} s:\n{err[-3000:]}")
+        results = []
+        for path in sorted(Path(results_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+            results.append(json.loads(path.read_text()))
+    return MpiRun(proc.returncode, out, err, time.monotonic() - start, results)
+
+
+def run_case(nprocs: int, name: str, *args: str, **kw: Any) -> list[Any]:
+    """Run case ``name`` on ``nprocs`` ranks; return the per-rank results (checks exit 0)."""
+    run = mpirun(nprocs, [name, *args], **kw)
+    assert run.rc == 0, run.tail()
+    assert len(run.results) == nprocs, run.tail()
+    return run.results
+
+
+# == the cases (run inside the ranks) ========================================================
+CASES: dict[str, Callable[..., Any]] = {}
+
+
+def case(fn: Callable[..., Any]) -> Callable[..., Any]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@case
+def conformance(quick: str = "0") -> list[str]:
+    import meshcomm
+    from meshcomm.testing import run_conformance
+
+    group = meshcomm.init(backend="mpi")
+    try:
+        assert group.backend == "mpi", group.backend
+        return run_conformance(group, quick=quick == "1")
+    finally:
+        meshcomm.shutdown()
+
+
+def _reduce_cases() -> list[tuple[str, str, np.ndarray, Callable[[int], np.ndarray]]]:
+    """(dtype, op, expected, input-of-rank) for hand-picked dtype edge cases (any world)."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def halves(dt: Any) -> Callable[[int], np.ndarray]:
+        return lambda r: (np.arange(6) * 0.5 - r * 0.25).astype(dt)  # exact in 8 mantissa bits
+
+    cases = []
+    for dt in (np.dtype(np.float16), bf16):
+        for op, ufunc in (("sum", np.add), ("prod", np.multiply), ("min", np.minimum),
+                          ("max", np.maximum)):  # fmt: skip
+            cases.append((dt.name, op, ufunc, halves(dt)))
+    big = np.uint64(2**63 + 5)
+    cases += [
+        ("uint64", "max", np.maximum, lambda r: np.array([big - np.uint64(r), r], np.uint64)),
+        ("uint64", "sum", np.add, lambda r: np.array([big, r], np.uint64)),  # wraps, as numpy
+        ("int8", "sum", np.add, lambda r: np.array([100, -100, r], np.int8)),  # wraps
+        ("complex128", "prod", np.multiply, lambda r: np.array([1j, 1 + r * 1j])),
+        ("bool", "sum", np.add, lambda r: np.array([r == 0, False, True])),  # logical or
+        ("bool", "prod", np.multiply, lambda r: np.array([r == 0, False, True])),  # and
+        ("bool", "bxor", np.bitwise_xor, lambda r: np.array([r == 0, r % 2 == 1, True])),
+        ("int32", "bor", np.bitwise_or, lambda r: np.array([1 << r, 0], np.int32)),
+    ]
+    return cases
+
+
+@case
+def dtypes() -> list[str]:
+    """Reductions of edge-case dtypes against numpy in the same dtype, on every root."""
+    import meshcomm
+
+    group = meshcomm.init(backend="mpi")
+    failures = []
+    try:
+        n, me = group.size, group.rank
+        for name, op, ufunc, make in _reduce_cases():
+            inputs = [make(r) for r in range(n)]
+            expected = ufunc.reduce(np.stack(inputs), axis=0, dtype=inputs[0].dtype)
+            with np.errstate(over="ignore"):
+                got = group.all_reduce(inputs[me], op)
+            if got.dtype != expected.dtype or not np.array_equal(got, expected):
+                failures.append(f"all_reduce {name} {op}: got {got!r}, expected {expected!r}")
+            got = group.reduce(inputs[me], n - 1, op)
+            if me == n - 1 and not np.array_equal(got, expected):
+                failures.append(f"reduce {name} {op}: got {got!r}, expected {expected!r}")
+            tiled = np.concatenate([inputs[me]] * n)
+            got = group.reduce_scatter(tiled, op, tiled=True)
+            if not np.array_equal(got, expected):
+                failures.append(f"reduce_scatter {name} {op}: got {got!r}, expected {expected!r}")
+        return failures
+    finally:
+        meshcomm.shutdown()
+
+
+@case
+def communicator() -> list[str]:
+    """MpiCommunicator's own API: nonblocking twins, split, cart_subs, big tags, errors."""
+    import meshcomm
+    from meshcomm.errors import CommError, CommTimeout, InvalidArgument
+    from meshcomm.reduction import ReduceOp
+
+    group = meshcomm.init(backend="mpi")
+    comm = group._comm  # the world's MpiCommunicator
+    n, me = comm.size, comm.rank
+    failures: list[str] = []
+
+    def check(what: str, ok: bool, detail: Any = "") -> None:
+        if not ok:
+            failures.append(f"rank {me}: {what} {detail}")
+
+    try:
+        # Nonblocking twins: several in flight at once, completed in any order.
+        a, b = np.full(4, me, np.float64), np.empty(4 * n, np.int32)
+        r1 = comm.iall_reduce(a, ReduceOp.SUM)
+        r2 = comm.iall_gather(np.full(4, me, np.int32), b)
+        r3 = comm.ibarrier()
+        r2.wait()
+        while not r1.test():
+            pass
+        r3.wait()
+        check("iall_reduce", np.array_equal(a, np.full(4, n * (n - 1) / 2)), a)
+        check("iall_gather", np.array_equal(b, np.repeat(np.arange(n), 4)), b)
+        check("request completed", r1.is_completed() and r2.is_completed())
+        # split (MPI_Comm_split), reversed by key, color None.
+        sub = comm.split(None if me == 0 and n > 1 else me % 2, key=-me)
+        if sub is not None:
+            expected = sorted((r for r in range(n) if r % 2 == me % 2 and (r or n == 1)),
+                              reverse=True)  # fmt: skip
+            check("split ranks", list(sub.global_ranks) == expected, sub.global_ranks)
+            buf = np.ones(1)
+            sub.all_reduce(buf, ReduceOp.SUM)
+            check("split all_reduce", buf[0] == len(expected), buf)
+            sub.close()
+        else:
+            check("split None", me == 0)
+        # cart_subs: one communicator per axis, rank = coordinate along the axis.
+        dims = (2, n // 2) if n % 2 == 0 else (n,)
+        axes = comm.cart_subs(dims)
+        coord = np.unravel_index(me, dims)
+        for d, ax in enumerate(axes):
+            grid = np.arange(n).reshape(dims)
+            index = tuple(slice(None) if k == d else int(c) for k, c in enumerate(coord))
+            check(f"cart axis {d}", list(ax.global_ranks) == grid[index].tolist(), ax.global_ranks)
+            check(f"cart axis {d} rank", ax.rank == int(coord[d]))
+            ax.close()
+        try:
+            comm.cart_subs((n + 1,))
+            check("cart_subs bad dims raises", False)
+        except InvalidArgument:
+            pass
+        # Tags past MPI's TAG_UB share one MPI tag: the headers keep them apart.
+        big = comm._tag_limit + 7
+        right, left = (me + 1) % n, (me - 1) % n
+        comm.send(np.arange(3) + me, right, big + 1)
+        comm.send(np.full((2, 2), me, np.int8), right, big)
+        got, src = comm.recv(None, big)
+        check("big tag recv", src == left and got.tolist() == [[left] * 2] * 2, (src, got))
+        got, src = comm.recv(left, big + 1)
+        check("big tag stashed", got.tolist() == [left, left + 1, left + 2], got)
+        # 0-d and many axes keep their shape; any source names the sender.
+        comm.send(np.array(me, np.float32), right, 3)
+        got, src = comm.recv(None, 3)
+        check("0-d recv", got.shape == () and got.dtype == np.float32 and src == left, got)
+        # An MPI error (a receive too short for the message) is a CommError, not a crash.
+        if n > 1:
+            small = np.empty(1, np.float64)
+            try:
+                comm.permute(np.ones(4), right, small, left)
+                check("truncation raises", False)
+            except CommError as exc:
+                check("truncation message", "MPI_ERR_TRUNCATE" in str(exc), exc)
+        # A receive nobody answers times out, naming the rank.
+        comm.timeout = 1.0
+        start = time.monotonic()
+        try:
+            comm.recv(None, 999)
+            check("recv timeout raises", False)
+        except CommTimeout as exc:
+            took = time.monotonic() - start
+            check("recv timeout in time", took < 1.0 + 10.0, took)
+            check("recv timeout message", f"rank {me}" in str(exc), exc)
+        comm.timeout = 60.0
+        return failures
+    finally:
+        meshcomm.shutdown()
+
+
+@case
+def collective_timeout() -> str:
+    """Rank 0 skips a barrier: the others raise CommTimeout within the timeout."""
+    import meshcomm
+    from meshcomm.errors import CommTimeout
+
+    group = meshcomm.init(backend="mpi", timeout=2.0)
+    if group.rank == 0:
+        time.sleep(0.5)
+        return "skipped"  # exits without shutdown: nothing may wait on it
+    start = time.monotonic()
+    try:
+        group.barrier()
+    except CommTimeout as exc:
+        return f"CommTimeout after {time.monotonic() - start:.1f} s: {exc}"
+    return "no error"
+
+
+@case
+def world_mismatch() -> str:
+    from meshcomm.backends.mpi import MpiCommunicator
+    from meshcomm.errors import RendezvousError
+
+    try:
+        MpiCommunicator.create_world(1, 2, timeout=5.0)
+    except RendezvousError as exc:
+        return str(exc)
+    return "no error"
+
+
+@case
+def large_messages() -> list[str]:
+    """A broadcast and an all_reduce of more than 2**31 elements (MPI-4 large counts)."""
+    import meshcomm
+    from meshcomm.reduction import ReduceOp
+
+    group = meshcomm.init(backend="mpi")
+    comm, failures = group._comm, []
+    try:
+        count = 2**31 + 24
+        buf = np.zeros(count, np.uint8)
+        if comm.rank == 0:
+            buf[::4096] = 7
+            buf[-1] = 9
+        comm.broadcast(buf, 0)
+        if not (buf[-1] == 9 and buf[4096] == 7 and buf[4097] == 0):
+            failures.append(f"broadcast of {count} bytes: tail {buf[-3:]}")
+        buf[:] = 1
+        comm.all_reduce(buf, ReduceOp.SUM)
+        if not (buf[0] == comm.size and buf[-1] == comm.size and buf[2**31] == comm.size):
+            failures.append(f"all_reduce of {count} uint8: got {buf[[0, 2**31, -1]]}")
+        return failures
+    finally:
+        meshcomm.shutdown()
+
+
+@case
+def info_json() -> dict[str, Any]:
+    from meshcomm.info import info
+
+    return info(verbose=False)["backends"]["mpi"]
+
+
+def _main(argv: list[str]) -> int:
+    name, args = argv[0], argv[1:]
+    result = CASES[name](*args)
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    path = Path(os.environ[_OUT_ENV]) / f"rank{rank}.json"
+    path.write_text(json.dumps(result, default=str))
+    return 0
+
+
+# == the tests ===============================================================================
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 8])
+def test_conformance_under_mpiexec(nprocs: int) -> None:
+    failures = [f for per_rank in run_case(nprocs, "conformance") for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+def test_conformance_with_user_defined_ops_and_debug_fingerprints() -> None:
+    env = {"MESHCOMM_MPI_USER_OPS": "1", "MESHCOMM_DEBUG": "DETAIL"}
+    failures = [f for per_rank in run_case(3, "conformance", "1", env=env) for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("user_ops", ["0", "1"])
+def test_dtype_edge_cases_against_numpy(user_ops: str) -> None:
+    results = run_case(3, "dtypes", env={"MESHCOMM_MPI_USER_OPS": user_ops})
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("nprocs", [1, 4])
+def test_communicator_api(nprocs: int) -> None:
+    failures = [f for per_rank in run_case(nprocs, "communicator") for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_a_missing_peer_is_a_timeout_not_a_hang() -> None:
+    results = run_case(3, "collective_timeout", timeout=60)
+    assert results[0] == "skipped"
+    for message in results[1:]:
+        assert message.startswith("CommTimeout after"), message
+        seconds = float(message.split()[2])
+        assert seconds < 2.0 + 10.0, message
+        assert "barrier" in message and "not complete after 2 s" in message
+
+
+def test_world_must_be_one_mpi_job() -> None:
+    (message,) = run_case(1, "world_mismatch")
+    assert "rank 0 of 1" in message and "says rank 1 of 2" in message, message
+
+
+@pytest.mark.slow
+def test_messages_over_2_gib() -> None:
+    failures = [f for per_rank in run_case(2, "large_messages", timeout=170) for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# -- meshcomm.run_mpi ---------------------------------------------------------------------------
+_RAISES = """
+import numpy as np, meshcomm
+group = meshcomm.init(backend="mpi", timeout=120)
+if group.rank == 1:
+    raise RuntimeError("rank 1 refuses")
+group.all_reduce(np.ones(2))  # the others would wait here for 120 s without the abort
+"""
+
+
+def test_run_mpi_aborts_every_rank_on_an_uncaught_exception(tmp_path: Path) -> None:
+    script = tmp_path / "raises.py"
+    script.write_text(_RAISES)
+    run = mpirun(3, [str(script)], script=["-m", "meshcomm.run_mpi"], timeout=60)
+    assert run.rc != 0, run.tail()
+    assert run.seconds < 60, run.tail()  # well before the 120 s collective timeout
+    assert "[rank 1] RuntimeError: rank 1 refuses" in run.err, run.tail()
+    assert "aborting all 3 ranks" in run.err, run.tail()
+    assert "run_mpi.py" not in run.err.split("[rank 1] Traceback")[1].split("RuntimeError")[0]
+
+
+def test_run_mpi_exit_codes(tmp_path: Path) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nfrom mpi4py import MPI\nsys.exit(MPI.COMM_WORLD.rank * 3)\n")
+    run = mpirun(2, [str(script)], script=["-m", "meshcomm.run_mpi"], timeout=60)
+    assert run.rc == 3, run.tail()
+    ok = mpirun(2, ["-c", "import sys; print(sys.argv[1:])", "a", "b"],
+                script=["-m", "meshcomm.run_mpi"], timeout=60)  # fmt: skip
+    assert ok.rc == 0 and ok.out.count("['a', 'b']") == 2, ok.tail()
+
+
+def test_run_mpi_usage() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshcomm.run_mpi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+# -- meshcomm.info ------------------------------------------------------------------------------
+def test_info_under_mpiexec_reports_mpi() -> None:
+    (mpi,) = run_case(1, "info_json")
+    assert mpi["available"] and mpi["mpi4py"], mpi
+    assert mpi["thread_level"] == "multiple", mpi
+    assert mpi["cuda_aware"] is False, mpi  # MPICH from PyPI has no CUDA
+    assert "MPIX_Query_cuda_support" in mpi["cuda_aware_source"], mpi
+
+
+def test_info_outside_a_launcher_asks_mpi_in_a_child() -> None:
+    code = "import json, sys; from meshcomm.info import info; f = info(verbose=False);" \
+           "print(json.dumps([f['backends']['mpi'], 'mpi4py.MPI' in sys.modules]))"  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    mpi, initialized_here = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mpi["library"] and mpi["thread_level"] == "multiple", mpi
+    assert not initialized_here  # the parent never initialized MPI
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
