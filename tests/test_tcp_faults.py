@@ -1,7 +1,9 @@
 """Faults over real processes: a rank killed (SIGKILL) or frozen (SIGSTOP) mid-collective.
 
 Survivors must raise the right error naming the right rank within ``timeout + 2 s``, and
-every later call must fail fast with the original reason.
+every later call must fail fast with the original reason. Every test runs over shared memory
+(the default between same-host ranks) and over sockets (``MESHCOMM_TRANSPORT=tcp``), and no
+shared-memory name of the job may be left in ``/dev/shm`` afterwards, killed rank included.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshcomm.backends.tcp import TcpCommunicator
+from meshcomm.backends.tcp import TcpCommunicator, shm
 from meshcomm.errors import CommError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store import StoreServer, TCPStore
@@ -26,6 +28,20 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs PO
 
 TIMEOUT = 3.0
 SLACK = 2.0
+TRANSPORTS = ["auto", "tcp"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test over shared memory ("auto") and over sockets; spawned ranks inherit it."""
+    monkeypatch.setenv("MESHCOMM_TRANSPORT", request.param)
+    return str(request.param)
+
+
+def _leftovers(token: str) -> list[str]:
+    if not os.path.isdir(shm.SHM_DIR):
+        return []
+    return sorted(name for name in os.listdir(shm.SHM_DIR) if f".{token}." in name)
 
 
 def _child(name: str, rank: int, size: int, port: int, out: Any, release: Any, args: tuple) -> None:
@@ -56,6 +72,8 @@ def _failure(comm: TcpCommunicator, exc: CommError, started: float) -> dict[str,
         "at": time.time(),
         "elapsed": time.monotonic() - started,
         "connected": comm.transport.connected_peers,
+        "channels": comm.transport.channels,
+        "names_at_failure": _leftovers(comm.transport.job),
     }
     # Fail fast afterwards, on this communicator and on one made before the failure.
     for other in (comm, comm.sub(list(range(comm.size)))):
@@ -101,7 +119,10 @@ def all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how
 
 
 def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, Any], float]:
-    """Run ``name`` on ``size`` ranks; return the survivors' reports and the fault's time."""
+    """Run ``name`` on ``size`` ranks; return the survivors' reports and the fault's time.
+
+    Afterwards (every process gone) no shared-memory name of the job may be left.
+    """
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     release = ctx.Event()
@@ -123,6 +144,7 @@ def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, An
                 reports[rank] = value
             client = TCPStore("127.0.0.1", server.port, timeout=10)
             fault_at = float(client.get("test/fault_at"))
+            token = client.get("meshcomm/tcp/token").hex()
             client.close()
         except queue.Empty:
             pytest.fail(f"survivors {sorted(set(range(size)) - {victim} - set(reports))} hung")
@@ -136,7 +158,15 @@ def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, An
                 p.join(15)
                 if p.is_alive():
                     p.kill()
+    assert _leftovers(token) == []
     return reports, fault_at
+
+
+def check_channels(report: dict[str, Any], transport: str) -> None:
+    kinds = set(report["channels"].values())
+    assert kinds <= ({"shm"} if transport == "auto" else {"tcp"}), report["channels"]
+    # Set-up was over before the fault: the names were gone even with the victim alive.
+    assert report["names_at_failure"] == []
 
 
 def check_fail_fast(report: dict[str, Any]) -> None:
@@ -147,7 +177,7 @@ def check_fail_fast(report: dict[str, Any]) -> None:
         assert seconds < 0.5
 
 
-def test_sigkill_mid_ring_reaches_every_survivor() -> None:
+def test_sigkill_mid_ring_reaches_every_survivor(transport: str) -> None:
     reports, died_at = run_fault("ring_until_failure", 4, victim=3, how="kill")
     assert sorted(reports) == [0, 1, 2]
     for rank, report in reports.items():
@@ -155,21 +185,23 @@ def test_sigkill_mid_ring_reaches_every_survivor() -> None:
         assert report["rank"] == 3, (rank, report)
         assert report["at"] - died_at <= TIMEOUT + SLACK, (rank, report)
         check_fail_fast(report)
+        check_channels(report, transport)
     # Rank 1 never talked to rank 3: it learned of the death from the abort record.
     assert 3 not in reports[1]["connected"]
     assert "another rank reported" in reports[1]["message"]
     assert "rank 3 died" in reports[1]["message"]
 
 
-def test_sigkill_mid_all_reduce() -> None:
+def test_sigkill_mid_all_reduce(transport: str) -> None:
     reports, died_at = run_fault("all_reduce_until_failure", 3, victim=1, how="kill")
     for rank, report in reports.items():
         assert (report["type"], report["rank"]) == ("PeerError", 1), (rank, report)
         assert report["at"] - died_at <= TIMEOUT + SLACK
         check_fail_fast(report)
+        check_channels(report, transport)
 
 
-def test_sigstop_makes_survivors_time_out() -> None:
+def test_sigstop_makes_survivors_time_out(transport: str) -> None:
     reports, _ = run_fault("ring_until_failure", 3, victim=2, how="stop")
     assert sorted(reports) == [0, 1]
     for rank, report in reports.items():
@@ -177,3 +209,4 @@ def test_sigstop_makes_survivors_time_out() -> None:
         assert TIMEOUT <= report["elapsed"] <= TIMEOUT + SLACK, (rank, report)
         assert "no progress for 3 s" in report["message"]
         check_fail_fast(report)
+        check_channels(report, transport)

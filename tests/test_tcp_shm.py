@@ -296,7 +296,7 @@ def test_offers_and_acks_are_validated(job: str) -> None:
         (good.replace(b'"cap":64', b'"cap":-64'), "cap"),
         (good.replace(b'"cap":64', b'"cap":true'), "cap"),
         (good.replace(b'"cap":64', b'"cap":65'), "the offer said 4161"),
-        (good.replace(b'"v":1', b'"v":9'), "version 9"),
+        (good.replace(b'"v":2', b'"v":9'), "version 9"),
         (good.replace(b".ring.1.0.", b".ring.1.1."), "names"),
     ]:
         with pytest.raises(ProtocolError, match=match):
@@ -312,7 +312,9 @@ def test_offers_and_acks_are_validated(job: str) -> None:
     ha.accept(good)
     with pytest.raises(CommError, match="rank 1 could not map shared memory: no room"):
         ha.complete(hb.nack("no room"))
-    forged = b'{"v":1,"kind":"ack","rank":7,"peer":1,"ok":true,"proc":false,"reason":""}'
+    forged = (
+        b'{"v":2,"kind":"ack","rank":7,"peer":1,"ok":true,"proc":false,"cma":false,"reason":""}'
+    )
     with pytest.raises(ProtocolError, match="expected ack from rank 0"):
         hb.complete(forged)
     assert _leftovers(job) == []  # each doorbell counted its (failed) handshake

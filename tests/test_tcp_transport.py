@@ -1,4 +1,8 @@
-"""The tcp transport over real sockets: spawned ranks, plus in-process edge cases."""
+"""The tcp transport: spawned ranks, plus in-process edge cases.
+
+Spawned ranks use the default channels (shared memory between these same-host ranks); the
+tests that move data in every shape also run with ``MESHCOMM_TRANSPORT=tcp`` (sockets).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,13 @@ from meshcomm.store import HashStore, StoreServer, TCPStore
 
 TIMEOUT = 10.0
 EXIT_NOW = "exit now"
+
+
+@pytest.fixture(params=["auto", "tcp"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Shared memory ("auto") and sockets; spawned ranks inherit the variable."""
+    monkeypatch.setenv("MESHCOMM_TRANSPORT", request.param)
+    return str(request.param)
 
 
 # -- harness: fn(comm, store, *args) on `size` spawned ranks ---------------------------------
@@ -274,7 +285,7 @@ def exit_without_goodbye(comm: TcpCommunicator, store: Any) -> str:
 # -- tests over spawned ranks ------------------------------------------------------------------
 
 
-def test_ring_of_large_messages() -> None:
+def test_ring_of_large_messages(transport: str) -> None:
     assert run_ranks("ring_large", 3) == [True] * 3
 
 
@@ -287,18 +298,18 @@ def test_two_communicators_interleaved() -> None:
     assert results[0] == [7, 100, 101, 102, 103, 0, 1, 2, 3]
 
 
-def test_recv_from_any_source_and_dtypes() -> None:
+def test_recv_from_any_source_and_dtypes(transport: str) -> None:
     got = run_ranks("any_source", 4)[0]
     assert sorted(got[:3]) == [(s, True, True, True) for s in (1, 2, 3)]
     assert got[3:6] == [(3, 3), (2, 2), (1, 1)]
     assert got[6] == (0, "bfloat16", True)
 
 
-def test_unexpected_messages_are_buffered_in_order() -> None:
+def test_unexpected_messages_are_buffered_in_order(transport: str) -> None:
     assert run_ranks("unexpected", 3)[0] == [1, 2, 3, 10, 11, 12, 13, 14, 1]
 
 
-def test_collectives_on_world_and_sub_communicators() -> None:
+def test_collectives_on_world_and_sub_communicators(transport: str) -> None:
     assert run_ranks("collectives", 3) == [True] * 3
 
 

@@ -296,3 +296,150 @@ def test_dtypes_that_cannot_travel() -> None:
         with pytest.raises(ProtocolError, match="unknown dtype"):
             wire.dtype_from_wire(name)
     assert wire.dtype_to_wire(ml_dtypes.bfloat16) == "bfloat16"  # its .str says '<V2'
+
+
+# -- shared-memory kinds: SHM (set-up messages), RTS (payload by address), FIN ---------------
+
+Expected = tuple[object, ...]
+
+
+@st.composite
+def shm_frames(draw: st.DrawFn) -> tuple[bytes, Expected]:
+    """One frame of a shared-memory stream: its bytes and the events it must decode to."""
+    kind = draw(st.sampled_from([wire.SHM, wire.RTS, wire.FIN, wire.DATA]))
+    comm_id = draw(st.integers(0, 2**64 - 1))
+    tag = draw(st.integers(-(2**63), 2**63 - 1))
+    if kind == wire.RTS:
+        length = draw(st.integers(0, wire.MAX_PAYLOAD))
+        address = draw(st.integers(0, 2**64 - 1))
+        return wire.pack_rts_header(comm_id, tag, length, address), (
+            "rts",
+            comm_id,
+            tag,
+            length,
+            address,
+        )
+    if kind == wire.FIN:
+        return wire.FIN_FRAME, ("fin",)
+    payload = draw(st.binary(max_size=200))
+    if kind == wire.SHM:
+        step = draw(st.sampled_from([wire.SHM_OFFER, wire.SHM_NO_OFFER, wire.SHM_ACK]))
+        raw = wire.encode_header(wire.SHM, comm_id=0, tag=step, length=len(payload)) + payload
+        return raw, ("shm", step, payload)
+    raw = wire.pack_data_header(comm_id, tag, len(payload)) + payload
+    return raw, ("data", comm_id, tag, payload)
+
+
+def drain_shm(
+    dec: wire.Decoder, out: list[Expected], pending: list[tuple[Expected, bytearray]]
+) -> None:
+    while True:
+        ev = dec.next_event()
+        if ev is wire.NEED_DATA:
+            return
+        if ev is wire.PAYLOAD_DONE:
+            kind, buf = pending.pop()
+            out.append((*kind, bytes(buf)))
+            continue
+        assert isinstance(ev, wire.FrameHeader)
+        if ev.kind == wire.RTS:
+            out.append(("rts", ev.comm_id, ev.tag, ev.length, ev.address))
+        elif ev.kind == wire.FIN:
+            out.append(("fin",))
+        else:
+            buf = bytearray(ev.length)
+            head: Expected = (
+                ("shm", ev.tag) if ev.kind == wire.SHM else ("data", ev.comm_id, ev.tag)
+            )
+            pending.append((head, buf))
+            dec.set_target(memoryview(buf))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(shm_frames(), max_size=10), st.lists(st.integers(0, 10_000), max_size=12))
+def test_shared_memory_frames_round_trip_in_any_split(
+    items: list[tuple[bytes, Expected]], cuts: list[int]
+) -> None:
+    data = b"".join(raw for raw, _ in items)
+    dec = wire.Decoder(bufsize=64, handshake=False)
+    events: list[Expected] = []
+    pending: list[tuple[Expected, bytearray]] = []
+    for chunk in split(data, cuts):
+        dec.receive_data(chunk)
+        drain_shm(dec, events, pending)
+    assert events == [want for _, want in items]
+    assert dec.idle and not dec.in_frame  # an RTS or FIN leaves nothing half decoded
+
+
+def test_rts_has_no_payload_in_the_stream() -> None:
+    dec = wire.Decoder(handshake=False)
+    dec.receive_data(wire.pack_rts_header(5, -1, 3 << 30, 0xDEADBEEF) + wire.FIN_FRAME)
+    rts = dec.next_event()
+    assert isinstance(rts, wire.FrameHeader)
+    assert (rts.kind, rts.comm_id, rts.tag, rts.length, rts.address) == (
+        wire.RTS,
+        5,
+        -1,
+        3 << 30,
+        0xDEADBEEF,
+    )
+    fin = dec.next_event()
+    assert isinstance(fin, wire.FrameHeader) and fin.kind == wire.FIN
+    assert dec.next_event() is wire.NEED_DATA and dec.idle
+
+
+def test_shared_memory_frame_checks() -> None:
+    cases = {
+        "8-byte address, got 0": wire.encode_header(wire.RTS, comm_id=0, tag=0, length=9),
+        "8-byte address, got 9": wire.encode_header(
+            wire.RTS, comm_id=0, tag=0, length=9, meta=bytes(9)
+        ),
+        "FIN frames carry no payload": wire.encode_header(wire.FIN, comm_id=0, tag=0, length=1),
+        "FIN frames carry no metadata": wire.encode_header(
+            wire.FIN, comm_id=0, tag=0, length=0, meta=b"x"
+        ),
+        "SHM frame of 4097 bytes": wire.encode_header(wire.SHM, comm_id=0, tag=1, length=4097),
+    }
+    for message, raw in cases.items():
+        dec = wire.Decoder(handshake=False)
+        dec.receive_data(raw)
+        with pytest.raises(ProtocolError, match=message):
+            dec.next_event()
+
+
+def test_handshake_offers_shared_memory_with_the_host_key() -> None:
+    hello = wire.encode_hello(
+        wire.HELLO, rank=1, world_size=2, token=TOKEN, flags=wire.F_SHM, reason="boot/shm/ns"
+    )
+    accept = wire.encode_hello(wire.ACCEPT, rank=0, world_size=2, token=TOKEN, flags=wire.F_SHM)
+    plain = wire.encode_hello(wire.ACCEPT, rank=0, world_size=2, token=TOKEN, reason="ignored")
+    dec = wire.Decoder()
+    dec.receive_data(hello)
+    got = dec.next_event()
+    assert isinstance(got, wire.Hello)
+    assert (got.flags, got.reason) == (wire.F_SHM, "boot/shm/ns")
+    for raw, flags in ((accept, wire.F_SHM), (plain, 0)):
+        dec = wire.Decoder()
+        dec.receive_data(raw)
+        got = dec.next_event()
+        assert isinstance(got, wire.Hello) and (got.flags, got.reason) == (flags, "")
+    with pytest.raises(ValueError, match="flags"):
+        wire.encode_hello(wire.REJECT, rank=0, world_size=2, token=TOKEN, flags=wire.F_SHM)
+    bad = {
+        "flags 2 are not allowed": hello[:7] + b"\x02" + hello[8:],
+        "flags 1 are not allowed": wire.encode_hello(
+            wire.REJECT, rank=0, world_size=2, token=TOKEN, reason="x"
+        )[:7]
+        + b"\x01"
+        + bytes(28)
+        + b"x",
+        "reason of 4 bytes is not allowed": accept[:16]
+        + struct.pack("<H", 4)
+        + accept[18:]
+        + b"abcd",
+    }
+    for message, raw in bad.items():
+        dec = wire.Decoder()
+        dec.receive_data(raw)
+        with pytest.raises(ProtocolError, match=message):
+            dec.next_event()

@@ -1,7 +1,9 @@
-"""The tcp backend: pure Python + numpy collectives over TCP sockets.
+"""The tcp backend: pure Python + numpy collectives over sockets and same-host shared memory.
 
 - :mod:`~meshcomm.backends.tcp.wire`: the wire protocol (handshake, frames), no I/O.
-- :mod:`~meshcomm.backends.tcp.transport`: the only socket code (connections, progress engine).
+- :mod:`~meshcomm.backends.tcp.transport`: channels to every peer and the progress engine
+  (with :mod:`~meshcomm.backends.tcp.connections` and :mod:`~meshcomm.backends.tcp.shm_engine`).
+- :mod:`~meshcomm.backends.tcp.shm`: shared-memory rings and futex doorbells for same-host peers.
 - :mod:`~meshcomm.backends.tcp.communicator`: :class:`TcpCommunicator`.
 
 See ``docs/backends/tcp.md``.

@@ -29,7 +29,8 @@ import numpy as np
 from meshcomm.backends import algorithms
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.tcp import wire
-from meshcomm.backends.tcp.transport import ANY_SOURCE, TcpLink, Transport
+from meshcomm.backends.tcp.link import TcpLink
+from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
@@ -56,7 +57,8 @@ def sub_id(parent_id: int, members: Sequence[int], count: int) -> int:
 
 
 class TcpCommunicator(Communicator):
-    """A communicator over TCP sockets (one connection per pair of ranks, shared).
+    """A communicator over the tcp transport (shared memory between same-host ranks, sockets
+    between hosts; one channel per pair of ranks, shared by every communicator).
 
     Use :meth:`create_world` for the world; :meth:`sub` for groups.
 

@@ -3,16 +3,23 @@
 A connection starts with one handshake message each way, then carries data frames::
 
     handshake (36 bytes + reason)   magic "MCTP", version u16, kind u8 (HELLO, ACCEPT, REJECT),
-                                    flags u8, sender's global rank u32, world size u32,
+                                    flags u8 (F_SHM), sender's global rank u32, world size u32,
                                     reason length u16, 2 pad bytes, job token (16 bytes),
-                                    then the UTF-8 reason of a REJECT
-    frame header (32 bytes + meta)  marker "mc", kind u8 (DATA, ARRAY, GOODBYE), flags u8,
-                                    meta length u16, 2 reserved bytes, communicator id u64,
-                                    tag i64, payload length u64; then the metadata
-                                    (ARRAY only: dtype name and shape), then the payload
+                                    then the reason: UTF-8 text of a REJECT, or the sender's
+                                    host key in a HELLO that has F_SHM
+    frame header (32 bytes + meta)  marker "mc", kind u8, flags u8, meta length u16,
+                                    2 reserved bytes, communicator id u64, tag i64,
+                                    payload length u64; then the metadata, then the payload
+
+Frame kinds: DATA (Link bytes), ARRAY (metadata: dtype name and shape), GOODBYE, SHM (a
+shared-memory handshake message, tag says which), RTS (metadata: the u64 address of the
+payload in the sender's memory; the payload does not follow, the receiver copies it with
+``process_vm_readv``), FIN (an RTS's payload was copied; nothing follows).
 
 Everything is little-endian. The connecting side sends HELLO; the accepting side answers
-ACCEPT or REJECT (with a reason). Negative tags are reserved for meshcomm's own traffic.
+ACCEPT or REJECT (with a reason). A HELLO with F_SHM offers shared memory and names the
+sender's host; an ACCEPT with F_SHM takes it (both then run the SHM frames' handshake before
+any data). Negative tags are reserved for meshcomm's own traffic.
 
 :class:`Decoder` takes bytes in any split and returns events one at a time. After a
 :class:`FrameHeader` event the caller names the buffer the payload goes to
@@ -48,7 +55,11 @@ from meshcomm.errors import ProtocolError
 
 __all__ = [
     "ARRAY",
+    "HEADER",
     "DATA",
+    "FIN",
+    "FIN_FRAME",
+    "F_SHM",
     "GOODBYE",
     "HANDSHAKE_SIZE",
     "HEADER_SIZE",
@@ -61,6 +72,11 @@ __all__ = [
     "MAX_REASON",
     "NEED_DATA",
     "PAYLOAD_DONE",
+    "RTS",
+    "SHM",
+    "SHM_ACK",
+    "SHM_NO_OFFER",
+    "SHM_OFFER",
     "TOKEN_SIZE",
     "VERSION",
     "Decoder",
@@ -74,6 +90,7 @@ __all__ = [
     "encode_header",
     "encode_hello",
     "pack_data_header",
+    "pack_rts_header",
 ]
 
 MAGIC = b"MCTP"
@@ -85,19 +102,40 @@ HELLO = 1
 ACCEPT = 2
 REJECT = 3
 _HANDSHAKE_KINDS = {HELLO: "HELLO", ACCEPT: "ACCEPT", REJECT: "REJECT"}
+#: Handshake flag: HELLO offers shared memory (reason = host key); ACCEPT takes it.
+F_SHM = 1
 
 # Frame kinds.
 DATA = 1  # raw bytes of a Link exchange
 ARRAY = 2  # an array for send/recv: metadata carries dtype and shape
 GOODBYE = 3  # the sender closed its communicator on purpose; EOF follows
-_FRAME_KINDS = {DATA: "DATA", ARRAY: "ARRAY", GOODBYE: "GOODBYE"}
+SHM = 4  # a shared-memory handshake message (over the socket); the tag says which
+RTS = 5  # "read my payload at this address" (metadata: u64 address); no payload follows
+FIN = 6  # the oldest outstanding RTS of the receiver of this frame was read
+_FRAME_KINDS = {
+    DATA: "DATA",
+    ARRAY: "ARRAY",
+    GOODBYE: "GOODBYE",
+    SHM: "SHM",
+    RTS: "RTS",
+    FIN: "FIN",
+}
+# SHM frame tags: an offer, "no offer" (payload: why), an ack or nack (shm.ShmHandshake).
+SHM_OFFER = 1
+SHM_NO_OFFER = 2
+SHM_ACK = 3
+#: Largest SHM frame payload.
+MAX_SHM_MESSAGE = 4096
 
 _HANDSHAKE = struct.Struct("<4sHBBIIH2x16s")
 _HEADER = struct.Struct("<2sBBHHQqQ")
 _FRAME_MARKER = b"mc"
 _U8 = struct.Struct("<B")
 _U64 = struct.Struct("<Q")
+_RTS_HEADER = struct.Struct("<2sBBHHQqQQ")  # the frame header, then the u64 address
 
+#: The frame header's layout (for decoding in place).
+HEADER = _HEADER
 HANDSHAKE_SIZE = _HANDSHAKE.size  # 36
 HEADER_SIZE = _HEADER.size  # 32
 #: Largest REJECT reason, in bytes.
@@ -143,7 +181,8 @@ class Hello:
         rank: the sender's global rank.
         world_size: the sender's world size.
         token: the sender's job token.
-        reason: why a REJECT rejected (empty otherwise).
+        reason: why a REJECT rejected; the sender's host key in a HELLO with F_SHM.
+        flags: F_SHM or 0.
     """
 
     kind: int
@@ -152,6 +191,7 @@ class Hello:
     world_size: int
     token: bytes
     reason: str = ""
+    flags: int = 0
 
 
 class FrameHeader:
@@ -164,9 +204,10 @@ class FrameHeader:
         length: payload bytes.
         dtype: the array's dtype (ARRAY frames), else None.
         shape: the array's shape (ARRAY frames), else None.
+        address: where an RTS frame's payload is in the sender's memory (else 0).
     """
 
-    __slots__ = ("comm_id", "dtype", "kind", "length", "shape", "tag")
+    __slots__ = ("address", "comm_id", "dtype", "kind", "length", "shape", "tag")
 
     def __init__(
         self,
@@ -183,6 +224,7 @@ class FrameHeader:
         self.length = length
         self.dtype = dtype
         self.shape = shape
+        self.address = 0
 
     def __repr__(self) -> str:
         kind = _FRAME_KINDS.get(self.kind, str(self.kind))
@@ -328,19 +370,30 @@ def decode_array_meta(meta: bytes | bytearray | memoryview) -> tuple[np.dtype, t
 # -- encoding --------------------------------------------------------------------------------
 
 
-def encode_hello(kind: int, *, rank: int, world_size: int, token: bytes, reason: str = "") -> bytes:
+def encode_hello(
+    kind: int, *, rank: int, world_size: int, token: bytes, reason: str = "", flags: int = 0
+) -> bytes:
     """Encode a handshake message (HELLO, ACCEPT, or REJECT with a reason).
+
+    ``flags`` may be F_SHM on a HELLO (then ``reason`` is the sender's host key) or on an
+    ACCEPT (no reason).
 
     Example:
         >>> len(encode_hello(HELLO, rank=0, world_size=2, token=bytes(16)))
         36
+        >>> len(encode_hello(HELLO, rank=0, world_size=2, token=bytes(16), flags=F_SHM,
+        ...                  reason="host"))
+        40
     """
     if kind not in _HANDSHAKE_KINDS:
         raise ValueError(f"handshake kind must be HELLO, ACCEPT or REJECT, got {kind}")
     if len(token) != TOKEN_SIZE:
         raise ValueError(f"job token must have {TOKEN_SIZE} bytes, got {len(token)}")
-    raw_reason = reason.encode()[:MAX_REASON] if kind == REJECT else b""
-    head = _HANDSHAKE.pack(MAGIC, VERSION, kind, 0, rank, world_size, len(raw_reason), token)
+    if flags not in (0, F_SHM) or (flags and kind == REJECT):
+        raise ValueError(f"handshake flags must be 0 or F_SHM (not on REJECT), got {flags}")
+    with_reason = kind == REJECT or (kind == HELLO and flags)
+    raw_reason = reason.encode()[:MAX_REASON] if with_reason else b""
+    head = _HANDSHAKE.pack(MAGIC, VERSION, kind, flags, rank, world_size, len(raw_reason), token)
     return head + raw_reason
 
 
@@ -357,6 +410,24 @@ def encode_header(kind: int, *, comm_id: int, tag: int, length: int, meta: bytes
 def pack_data_header(comm_id: int, tag: int, length: int) -> bytes:
     """Encode a DATA frame header (the hot path of every Link exchange)."""
     return _HEADER.pack(_FRAME_MARKER, DATA, 0, 0, 0, comm_id, tag, length)
+
+
+def pack_rts_header(comm_id: int, tag: int, length: int, address: int) -> bytes:
+    """Encode an RTS frame: a DATA payload of ``length`` bytes to read at ``address``.
+
+    Example:
+        >>> dec = Decoder(handshake=False)
+        >>> dec.receive_data(pack_rts_header(3, -1, 1 << 20, 0x7F00))
+        >>> h = dec.next_event(); (h.kind == RTS, h.length, hex(h.address))
+        (True, 1048576, '0x7f00')
+        >>> dec.next_event() is NEED_DATA          # no payload follows an RTS
+        True
+    """
+    return _RTS_HEADER.pack(_FRAME_MARKER, RTS, 0, 8, 0, comm_id, tag, length, address)
+
+
+#: The whole FIN frame (it never varies).
+FIN_FRAME = _HEADER.pack(_FRAME_MARKER, FIN, 0, 0, 0, 0, 0, 0)
 
 
 def check_hello(
@@ -499,6 +570,12 @@ class Decoder:
         return self._end - self._start
 
     @property
+    def idle(self) -> bool:
+        """Whether no byte is buffered and no frame is partly decoded (frames may be parsed
+        elsewhere, e.g. in place in a shared-memory ring)."""
+        return self._state == _S_HEADER and self._end == self._start
+
+    @property
     def in_frame(self) -> bool:
         """Whether a frame is partly decoded (EOF now would cut it)."""
         return self._state in (_S_TARGET, _S_PAYLOAD) or self._end > self._start
@@ -577,13 +654,24 @@ class Decoder:
             raise self._fail(f"frame metadata of {meta_len} bytes exceeds {MAX_META}")
         if length > MAX_PAYLOAD:
             raise self._fail(f"frame payload of {length} bytes exceeds {MAX_PAYLOAD}")
-        if kind != ARRAY and meta_len:
+        if kind == RTS:
+            if meta_len != 8:
+                raise self._fail(f"RTS frames carry an 8-byte address, got {meta_len} bytes")
+        elif kind != ARRAY and meta_len:
             raise self._fail(f"{_FRAME_KINDS[kind]} frames carry no metadata, got {meta_len}")
-        if kind == GOODBYE and length:
-            raise self._fail(f"GOODBYE frames carry no payload, got {length} bytes")
+        if kind in (GOODBYE, FIN) and length:
+            raise self._fail(f"{_FRAME_KINDS[kind]} frames carry no payload, got {length} bytes")
+        if kind == SHM and length > MAX_SHM_MESSAGE:
+            raise self._fail(f"SHM frame of {length} bytes exceeds {MAX_SHM_MESSAGE}")
         if self._end - start < HEADER_SIZE + meta_len:
             return NEED_DATA
         header = FrameHeader(kind, comm_id, tag, length)
+        if kind in (RTS, FIN):
+            # Nothing of the payload travels in the stream: the next frame follows at once.
+            if kind == RTS:
+                header.address = _U64.unpack_from(self._buf, start + HEADER_SIZE)[0]
+            self._start = start + HEADER_SIZE + meta_len
+            return header
         if kind == ARRAY:
             meta = self._view[start + HEADER_SIZE : start + HEADER_SIZE + meta_len]
             try:
@@ -619,9 +707,10 @@ class Decoder:
             raise self._fail(f"protocol version {version} differs from this side's {VERSION}")
         if kind not in _HANDSHAKE_KINDS:
             raise self._fail(f"unknown handshake kind {kind}")
-        if flags:
-            raise self._fail(f"handshake flags {flags} must be 0")
-        if reason_len > MAX_REASON or (reason_len and kind != REJECT):
+        if flags & ~F_SHM or (flags and kind == REJECT):
+            raise self._fail(f"handshake flags {flags} are not allowed on this handshake")
+        may_reason = kind == REJECT or (kind == HELLO and flags)
+        if reason_len > MAX_REASON or (reason_len and not may_reason):
             raise self._fail(f"handshake reason of {reason_len} bytes is not allowed here")
         if world < 1 or rank >= world:
             raise self._fail(f"handshake rank {rank} is outside a world of {world}")
@@ -630,4 +719,5 @@ class Decoder:
         raw = bytes(self._buf[start + HANDSHAKE_SIZE : start + HANDSHAKE_SIZE + reason_len])
         self._start = start + HANDSHAKE_SIZE + reason_len
         self._state = _S_HEADER
-        return Hello(kind, version, rank, world, bytes(token), raw.decode(errors="replace"))
+        text = raw.decode(errors="replace")
+        return Hello(kind, version, rank, world, bytes(token), text, flags)

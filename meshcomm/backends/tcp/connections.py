@@ -1,0 +1,425 @@
+"""Connection set-up of the tcp transport: sockets, handshakes, and the shared-memory offer.
+
+A mixin of :class:`~meshcomm.backends.tcp.transport.Transport` (the cold path; the engine
+that moves frames is in the transport). Connections open on first use: the sender of the
+first message to a peer looks up its address in the store, connects, and says HELLO; the
+peer answers ACCEPT or REJECT. When two ranks connect to each other at once, the connection
+opened by the lower rank is kept and the other is refused as a duplicate.
+
+Shared memory is agreed in the handshake: a HELLO with ``F_SHM`` carries the sender's host
+key; the acceptor answers ACCEPT with ``F_SHM`` when the keys match and it wants shared
+memory too. Then both sides run :class:`~meshcomm.backends.tcp.shm.ShmHandshake` over SHM
+frames before any data moves (data for the peer waits in its send queue meanwhile)::
+
+    each side sends   SHM_OFFER (or SHM_NO_OFFER: it could not create its ring)
+    on the peer's     SHM_OFFER: accept it, send SHM_ACK (an ack, or a nack saying why);
+                      SHM_NO_OFFER: give up, use the socket
+    on the peer's     SHM_ACK: both acks ok -> shared memory, else the socket
+
+Both sides see the same two messages, so they agree without another round. The socket stays
+open either way: it carries GOODBYE and reports the peer's death (EOF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import time
+from collections import deque
+
+from meshcomm.backends.tcp import wire
+from meshcomm.backends.tcp.addresses import addr_key, format_address, split_address, tune
+from meshcomm.backends.tcp.matching import CONTROL, Matching, Send
+from meshcomm.backends.tcp.shm import Doorbell, ShmHandshake, ShmPair
+from meshcomm.errors import CommError, CommTimeout, PeerError, ProtocolError, StoreError
+from meshcomm.store.base import Store
+
+__all__ = ["Channel", "Connections", "ShmMessage", "ShmSetup"]
+
+_CONNECTING = "connecting"  # we connected and sent HELLO; waiting for ACCEPT/REJECT
+_ACCEPTING = "accepting"  # accepted; waiting for the peer's HELLO
+_OPEN = "open"
+_CLOSED = "closed"
+_CONNECT_ATTEMPT_TIMEOUT = 2.0
+_ABORT_CHECK_INTERVAL = 1.0
+
+
+class Channel:
+    """One socket to a peer, with its decoder, the frame being received, and control frames.
+
+    Attributes:
+        is_shm: False (a :class:`~meshcomm.backends.tcp.transport.ShmPeer` says True).
+    """
+
+    __slots__ = (
+        "address",
+        "ctrl",
+        "current",
+        "decoder",
+        "goodbye",
+        "peer",
+        "sock",
+        "state",
+        "writing",
+    )
+    is_shm = False
+
+    def __init__(self, sock: socket.socket, state: str, peer: int, address: str) -> None:
+        self.sock = sock
+        self.state = state
+        self.peer = peer  # -1 until an accepted peer says who it is
+        self.address = address
+        self.decoder = wire.Decoder()
+        self.current: object = None
+        self.goodbye = False
+        self.writing = False
+        self.ctrl: deque[Send] = deque()  # SHM handshake frames: they go before any data
+
+
+class ShmMessage:
+    """An SHM frame being received (its payload goes to ``buf``)."""
+
+    __slots__ = ("buf", "tag")
+
+    def __init__(self, tag: int, length: int) -> None:
+        self.tag = tag
+        self.buf = bytearray(length)
+
+
+class ShmSetup:
+    """A shared-memory handshake in progress with one peer."""
+
+    __slots__ = ("ch", "got_offer", "hs")
+
+    def __init__(self, ch: Channel) -> None:
+        self.ch = ch
+        self.hs: ShmHandshake | None = None
+        self.got_offer = False
+
+
+class Connections(Matching):
+    """Opening, accepting, refusing and dropping connections (a mixin of the transport)."""
+
+    rank: int
+    size: int
+    timeout: float
+    address: str
+    rejected: list[str]
+    _store: Store
+    _token: bytes
+    _listener: socket.socket
+    _sel: selectors.BaseSelector
+    _conns: dict[int, Channel]
+    _tcp: dict[int, Channel]
+    _connecting: dict[int, Channel]
+    _accepting: set[Channel]
+    _awaiting: set[int]
+    _setup: dict[int, ShmSetup]
+    _sendq: dict[int, deque[Send]]
+    _progressed: bool
+    _last_abort_check: float
+    _shm_wanted: bool
+    _host_key: str
+    _local_size: int
+    _bell: Doorbell | None
+    #: Why shared memory was not used with a same-host peer, by peer (diagnostics).
+    shm_fallbacks: dict[int, str]
+
+    # -- the engine's, defined by the transport --------------------------------------------
+    def _flush(self, ch: Channel) -> None:
+        raise NotImplementedError
+
+    def _check_abort(self) -> None:
+        raise NotImplementedError
+
+    def _attach_shm(self, peer: int, pair: ShmPair) -> None:
+        raise NotImplementedError
+
+    def _detach_shm(self, peer: int) -> None:
+        raise NotImplementedError
+
+    # -- opening -----------------------------------------------------------------------------
+    def _ensure_connection(self, peer: int) -> None:
+        if peer in self._conns or peer in self._connecting or peer in self._awaiting:
+            return  # open (shared memory being set up), or on its way
+        if peer in self._gone:
+            raise self._gone_error(peer, "send to")
+        self._connect(peer)
+
+    def _connect(self, peer: int) -> None:
+        deadline = time.monotonic() + self.timeout
+        delay = 0.01
+        address = "?"
+        while True:
+            remaining = deadline - time.monotonic()
+            address = self._lookup(peer, max(remaining, 0.001))
+            host, port = split_address(address)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                tune(sock)
+                sock.settimeout(max(0.001, min(remaining, _CONNECT_ATTEMPT_TIMEOUT)))
+                sock.connect((host, port))
+                break
+            except OSError as exc:
+                sock.close()
+                remaining = deadline - time.monotonic()
+                if remaining <= delay:
+                    message = (
+                        f"rank {self.rank}: could not connect to rank {peer} at {address} "
+                        f"within {self.timeout:g} s: {exc}"
+                    )
+                    if isinstance(exc, TimeoutError):
+                        raise CommTimeout(message) from None
+                    raise PeerError(message, peer) from None
+            if time.monotonic() - self._last_abort_check >= _ABORT_CHECK_INTERVAL:
+                self._last_abort_check = time.monotonic()
+                self._check_abort()
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+        sock.setblocking(False)
+        ch = Channel(sock, _CONNECTING, peer, address)
+        flags = wire.F_SHM if self._shm_wanted else 0
+        hello = wire.encode_hello(
+            wire.HELLO,
+            rank=self.rank,
+            world_size=self.size,
+            token=self._token,
+            flags=flags,
+            reason=self._host_key if flags else "",
+        )
+        try:
+            sock.send(hello)  # a fresh socket's buffer always takes a handshake
+        except OSError as exc:
+            sock.close()
+            raise PeerError(
+                f"rank {self.rank}: rank {peer} at {address} dropped the connection: {exc}", peer
+            ) from None
+        self._sel.register(sock, selectors.EVENT_READ, ch)
+        self._connecting[peer] = ch
+        self._progressed = True
+
+    def _lookup(self, peer: int, timeout: float) -> str:
+        key = addr_key(peer)
+        try:
+            self._store.wait([key], timeout=timeout)
+            return self._store.get(key).decode()
+        except StoreError as exc:
+            raise CommTimeout(
+                f"rank {self.rank}: rank {peer} did not publish its address ({key!r}) within "
+                f"{self.timeout:g} s: {exc}"
+            ) from None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # e.g. out of file descriptors: the listener stays readable, so pause a
+                # little rather than spin; the peer's connect waits in the backlog.
+                time.sleep(0.01)
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ch = Channel(sock, _ACCEPTING, -1, format_address(str(addr[0]), int(addr[1])))
+            self._sel.register(sock, selectors.EVENT_READ, ch)
+            self._accepting.add(ch)
+            self._progressed = True
+
+    def _on_hello(self, ch: Channel, hello: wire.Hello) -> None:
+        if ch.state is _CONNECTING:
+            self._on_answer(ch, hello)
+            return
+        if ch.state is not _ACCEPTING:
+            raise ProtocolError(f"a second handshake from rank {ch.peer}")
+        try:
+            wire.check_hello(
+                hello,
+                kinds=[wire.HELLO],
+                token=self._token,
+                world_size=self.size,
+                peer=f"{ch.address}",
+            )
+        except ProtocolError as exc:
+            self._reject(ch, str(exc))
+            return
+        peer = hello.rank
+        if peer == self.rank:
+            self._reject(ch, f"rank {peer} is this process ({self.address})")
+            return
+        if peer in self._gone:
+            self._reject(ch, f"rank {peer} already closed its connection to rank {self.rank}")
+            return
+        mine = self._connecting.get(peer)
+        if peer in self._conns or (mine is not None and self.rank < peer):
+            # Both connected at once: the connection the lower rank opened is the one kept.
+            self._reject(ch, f"duplicate connection from rank {peer} to rank {self.rank}")
+            return
+        if mine is not None:
+            self._drop(mine)  # theirs wins: the lower rank opened it
+        self._awaiting.discard(peer)
+        use_shm = (
+            self._shm_wanted and bool(hello.flags & wire.F_SHM) and hello.reason == self._host_key
+        )
+        answer = wire.encode_hello(
+            wire.ACCEPT,
+            rank=self.rank,
+            world_size=self.size,
+            token=self._token,
+            flags=wire.F_SHM if use_shm else 0,
+        )
+        try:
+            ch.sock.send(answer)
+        except OSError:
+            self._drop(ch)
+            return
+        self._opened(ch, peer, use_shm)
+
+    def _on_answer(self, ch: Channel, hello: wire.Hello) -> None:
+        peer = ch.peer
+        if hello.kind == wire.REJECT:
+            self._drop(ch)
+            if hello.reason.startswith("duplicate connection"):
+                self._awaiting.add(peer)  # the peer's own connection to us is on its way
+                return
+            raise ProtocolError(
+                f"rank {self.rank}: rank {peer} at {ch.address} refused the connection: "
+                f"{hello.reason}"
+            )
+        wire.check_hello(
+            hello,
+            kinds=[wire.ACCEPT],
+            token=self._token,
+            world_size=self.size,
+            peer=f"rank {peer} at {ch.address}",
+            expect_rank=peer,
+        )
+        use_shm = bool(hello.flags & wire.F_SHM)
+        if use_shm and not self._shm_wanted:
+            raise ProtocolError(
+                f"rank {self.rank}: rank {peer} at {ch.address} took a shared-memory offer "
+                "that was never made"
+            )
+        del self._connecting[peer]
+        self._opened(ch, peer, use_shm)
+
+    def _opened(self, ch: Channel, peer: int, use_shm: bool) -> None:
+        self._accepting.discard(ch)
+        ch.peer = peer
+        ch.state = _OPEN
+        self._conns[peer] = ch
+        if use_shm:
+            self._begin_shm(ch)
+            return
+        self._tcp[peer] = ch
+        if self._sendq.get(peer):
+            self._flush(ch)
+
+    def _reject(self, ch: Channel, reason: str) -> None:
+        self.rejected.append(reason)
+        del self.rejected[:-16]
+        answer = wire.encode_hello(
+            wire.REJECT, rank=self.rank, world_size=self.size, token=self._token, reason=reason
+        )
+        with contextlib.suppress(OSError):
+            ch.sock.send(answer)
+        self._drop(ch)
+
+    def _drop(self, ch: Channel) -> None:
+        if ch.state is _CLOSED:
+            return
+        peer = ch.peer
+        self._accepting.discard(ch)
+        if self._conns.get(peer) is ch:
+            del self._conns[peer]
+            self._tcp.pop(peer, None)
+            setup = self._setup.pop(peer, None)
+            if setup is not None and setup.hs is not None:
+                setup.hs.close()
+            self._detach_shm(peer)
+        if self._connecting.get(peer) is ch:
+            del self._connecting[peer]
+        ch.state = _CLOSED
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(ch.sock)
+        # Read what is left so close() sends FIN, not RST (RST can destroy data in flight).
+        with contextlib.suppress(OSError):
+            ch.sock.setblocking(False)
+            while ch.sock.recv(65536):
+                pass
+        ch.sock.close()
+
+    # -- shared memory -------------------------------------------------------------------------
+    def _doorbell(self) -> Doorbell:
+        if self._bell is None:
+            # spin_us=0: the engine polls the rings themselves before it sleeps.
+            self._bell = Doorbell(self._token, self.rank, spin_us=0)
+        return self._bell
+
+    def _begin_shm(self, ch: Channel) -> None:
+        setup = ShmSetup(ch)
+        try:
+            setup.hs = ShmHandshake(self._doorbell(), ch.peer)
+            tag, payload = wire.SHM_OFFER, setup.hs.offer()
+        except (CommError, OSError) as exc:  # e.g. /dev/shm is full
+            tag, payload = wire.SHM_NO_OFFER, str(exc).encode()[: wire.MAX_SHM_MESSAGE]
+        self._setup[ch.peer] = setup
+        self._send_control(ch, tag, payload)
+
+    def _send_control(self, ch: Channel, tag: int, payload: bytes) -> None:
+        frame = wire.encode_header(wire.SHM, comm_id=0, tag=tag, length=len(payload)) + payload
+        ch.ctrl.append(Send(ch.peer, [frame], len(frame), CONTROL))
+        self._flush(ch)
+
+    def _on_shm_message(self, ch: Channel, msg: ShmMessage) -> None:
+        peer = ch.peer
+        setup = self._setup.get(peer)
+        if setup is None or setup.ch is not ch:
+            raise ProtocolError(f"rank {self.rank}: unexpected SHM frame from rank {peer}")
+        payload = bytes(msg.buf)
+        if msg.tag in (wire.SHM_OFFER, wire.SHM_NO_OFFER):
+            if setup.got_offer:
+                raise ProtocolError(f"rank {self.rank}: rank {peer} offered shared memory twice")
+            setup.got_offer = True
+            hs = setup.hs
+            if msg.tag == wire.SHM_NO_OFFER or hs is None:
+                why = payload.decode(errors="replace") if hs is not None else "this side"
+                self._end_shm(ch, None, f"no offer ({why})")
+                return
+            try:
+                hs.accept(payload)
+                answer = hs.ack()
+            except CommError as exc:  # another host after all, a bad offer: both fall back
+                answer = hs.nack(str(exc))
+            self._send_control(ch, wire.SHM_ACK, answer)
+        elif msg.tag == wire.SHM_ACK:
+            if not setup.got_offer or setup.hs is None:
+                raise ProtocolError(f"rank {self.rank}: SHM ack from rank {peer} before an offer")
+            try:
+                pair = setup.hs.complete(payload)
+            except ProtocolError:
+                raise
+            except CommError as exc:  # either side failed: complete() released everything
+                self._end_shm(ch, None, str(exc))
+                return
+            self._end_shm(ch, pair, "")
+        else:
+            raise ProtocolError(f"rank {self.rank}: SHM frame with tag {msg.tag} from rank {peer}")
+
+    def _end_shm(self, ch: Channel, pair: ShmPair | None, reason: str) -> None:
+        peer = ch.peer
+        setup = self._setup.pop(peer)
+        self._progressed = True
+        if pair is not None:
+            self._attach_shm(peer, pair)
+            return
+        if setup.hs is not None:
+            setup.hs.close()
+        self.shm_fallbacks[peer] = reason
+        self._tcp[peer] = ch
+        if self._sendq.get(peer):
+            self._flush(ch)

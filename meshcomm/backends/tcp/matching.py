@@ -1,0 +1,249 @@
+"""Operations and message matching of the tcp backend's progress engine (no I/O).
+
+A receive is *posted* until a frame of its (communicator, source, tag) arrives; a frame that
+nobody waits for yet is kept as an *unexpected* message, first in first out per
+(communicator, source, tag), and bound to the next receive that asks for it. Frames are
+matched the same way whichever channel (socket or shared memory) brought them.
+
+:class:`Matching` is a mixin of :class:`~meshcomm.backends.tcp.transport.Transport`: it owns
+the queues and the count of the current call's pending operations.
+
+Example:
+    >>> as_bytes(np.arange(2, dtype=np.int32)).nbytes
+    8
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from meshcomm.backends.tcp import wire
+from meshcomm.errors import InvalidArgument, PeerError, ProtocolError
+
+__all__ = ["ANY_SOURCE", "LINK_TAG", "Matching", "as_bytes"]
+
+#: Tag of Link traffic (negative tags are internal; users get 0 and up).
+LINK_TAG = -1
+#: ``src`` of a receive that accepts any rank.
+ANY_SOURCE = -1
+
+# _Send kinds: a frame this call waits for; an RTS (done when its FIN comes back); a
+# control frame of the engine itself (no caller waits for it).
+PLAIN, RTS, CONTROL = 0, 1, 2
+
+
+def as_bytes(buffer: object, *, writable: bool = False) -> memoryview:
+    """Return a flat byte view of a C-contiguous array (no copy; ml_dtypes work too).
+
+    Raises:
+        InvalidArgument: the buffer is not C-contiguous, or is read-only where written.
+
+    Example:
+        >>> as_bytes(b"abc").tolist()
+        [97, 98, 99]
+    """
+    try:
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        # ml_dtypes arrays have no buffer format; their uint8 view does.
+        arr = np.asarray(buffer)
+        if not arr.flags.c_contiguous:
+            raise InvalidArgument(
+                f"buffers must be C-contiguous, got a {arr.dtype} array of strides {arr.strides}"
+            ) from None
+        view = arr.reshape(-1).view(np.uint8).data
+    if writable and view.readonly:
+        raise InvalidArgument("receive buffers must be writable, got a read-only buffer")
+    return view
+
+
+class Send:
+    """One outgoing frame: the unsent rest of its byte views.
+
+    Attributes:
+        peer: destination global rank.
+        bufs: what is left to write (header, payload).
+        left: bytes left to write.
+        kind: PLAIN, RTS or CONTROL.
+        data: an RTS's payload (kept alive until its FIN).
+    """
+
+    __slots__ = ("bufs", "data", "kind", "left", "peer")
+
+    def __init__(
+        self, peer: int, bufs: list[bytes | memoryview], left: int, kind: int = PLAIN
+    ) -> None:
+        self.peer = peer
+        self.bufs = bufs
+        self.left = left
+        self.kind = kind
+        self.data: memoryview | None = None
+
+    def advance(self, sent: int) -> None:
+        """Drop the first ``sent`` bytes."""
+        self.left -= sent
+        bufs = self.bufs
+        while sent:
+            first = bufs[0]
+            if sent >= len(first):
+                sent -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = first[sent:]
+                sent = 0
+
+
+class Recv:
+    """One posted receive: into ``dest`` (Link bytes), or a new array (``dest`` None)."""
+
+    __slots__ = ("array", "comm_id", "dest", "done", "source", "src", "tag")
+
+    def __init__(self, comm_id: int, src: int, tag: int, dest: memoryview | None) -> None:
+        self.comm_id = comm_id
+        self.src = src
+        self.tag = tag
+        self.dest = dest
+        self.done = False
+        self.array: np.ndarray | None = None
+        self.source = -1
+
+
+class Message:
+    """A frame that arrived before its receive was posted (its payload may still be coming)."""
+
+    __slots__ = ("array", "buf", "done", "header", "src", "waiter")
+
+    def __init__(self, header: wire.FrameHeader, src: int) -> None:
+        self.header = header
+        self.src = src
+        self.done = False
+        self.waiter: Recv | None = None
+        self.array: np.ndarray | None = None
+        self.buf: memoryview
+
+
+class Matching:
+    """Posted receives, unexpected messages, and how frames find their receive (a mixin)."""
+
+    rank: int
+    _npending: int
+    _gone: dict[int, str]
+    _posted: dict[tuple[int, int, int], deque[Recv]]
+    _posted_any: dict[tuple[int, int], deque[Recv]]
+    _unexpected: dict[tuple[int, int, int], deque[Message]]
+
+    def _gone_error(self, peer: int, action: str) -> PeerError:
+        raise NotImplementedError  # the transport's
+
+    def _post_recv(self, r: Recv) -> None:
+        src = r.src
+        if src == ANY_SOURCE:
+            msg = self._pop_unexpected_any(r.comm_id, r.tag)
+        else:
+            key = (r.comm_id, src, r.tag)
+            queue = self._unexpected.get(key)
+            msg = None
+            if queue:
+                msg = queue.popleft()
+                if not queue:
+                    del self._unexpected[key]
+        if msg is not None:
+            self._bind(r, msg)
+            return
+        if src != ANY_SOURCE and src in self._gone:
+            raise self._gone_error(src, "receive from")
+        self._npending += 1
+        if src == ANY_SOURCE:
+            self._posted_any.setdefault((r.comm_id, r.tag), deque()).append(r)
+        else:
+            self._posted.setdefault((r.comm_id, src, r.tag), deque()).append(r)
+
+    def _pop_unexpected_any(self, comm_id: int, tag: int) -> Message | None:
+        # The earliest complete-or-not message from any source (insertion order of the dict
+        # is arrival order of each source's first pending frame; good enough and fair).
+        for key, queue in self._unexpected.items():
+            if key[0] == comm_id and key[2] == tag and queue:
+                msg = queue.popleft()
+                if not queue:
+                    del self._unexpected[key]
+                return msg
+        return None
+
+    def _bind(self, r: Recv, msg: Message) -> None:
+        self._check_match(r, msg.header, msg.src)
+        r.source = msg.src
+        if msg.done:
+            self._deliver(r, msg)
+        else:
+            msg.waiter = r
+            self._npending += 1
+
+    def _check_match(self, r: Recv, h: wire.FrameHeader, src: int) -> None:
+        if r.dest is None:
+            if h.kind != wire.ARRAY:
+                raise ProtocolError(
+                    f"rank {self.rank}: recv (tag {r.tag}) got a Link frame from rank {src}; "
+                    "send/recv and collectives must not share a tag"
+                )
+        elif h.kind == wire.ARRAY or h.length != len(r.dest):
+            got = "an array (send)" if h.kind == wire.ARRAY else f"{h.length} bytes"
+            raise ProtocolError(
+                f"rank {self.rank}: expected {len(r.dest)} bytes from rank {src} on "
+                f"communicator {r.comm_id:#x}, got {got}: ranks disagree on the operation"
+            )
+
+    @staticmethod
+    def _deliver(r: Recv, msg: Message) -> None:
+        if r.dest is None:
+            r.array = msg.array
+        else:
+            r.dest[:] = msg.buf
+        r.done = True
+
+    def _target_for(self, h: wire.FrameHeader, src: int) -> tuple[Recv | Message, memoryview]:
+        """The receive (or a new unexpected message) a DATA, RTS or ARRAY frame goes to."""
+        key = (h.comm_id, src, h.tag)
+        queue = self._posted.get(key)
+        r = None
+        if queue:
+            r = queue.popleft()
+            if not queue:
+                del self._posted[key]
+        else:
+            any_queue = self._posted_any.get((h.comm_id, h.tag))
+            if any_queue:
+                r = any_queue.popleft()
+                if not any_queue:
+                    del self._posted_any[(h.comm_id, h.tag)]
+        if r is not None:
+            self._check_match(r, h, src)
+            r.source = src
+            if r.dest is not None:
+                return r, r.dest
+            r.array = np.empty(h.shape, h.dtype)  # type: ignore[arg-type]
+            return r, as_bytes(r.array, writable=True)
+        msg = Message(h, src)
+        if h.kind == wire.ARRAY:
+            msg.array = np.empty(h.shape, h.dtype)  # type: ignore[arg-type]
+            msg.buf = as_bytes(msg.array, writable=True)
+        else:
+            msg.buf = memoryview(bytearray(h.length))
+        self._unexpected.setdefault(key, deque()).append(msg)
+        return msg, msg.buf
+
+    def _payload_done(self, current: Recv | Message | None) -> None:
+        if type(current) is Recv:
+            current.done = True
+            self._npending -= 1
+        elif type(current) is Message:
+            current.done = True
+            waiter = current.waiter
+            if waiter is not None:
+                self._deliver(waiter, current)
+                self._npending -= 1
+
+    def _forget_unexpected(self, comm_id: int) -> None:
+        for key in [k for k in self._unexpected if k[0] == comm_id]:
+            del self._unexpected[key]

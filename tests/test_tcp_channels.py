@@ -1,0 +1,258 @@
+"""Channels chosen per peer: shared memory between same-host ranks, sockets otherwise.
+
+Spawned ranks over real sockets and real shared memory. Per-rank environments pretend that
+ranks live on different hosts (``MESHCOMM_HOST_KEY``), shrink the rings, turn single-copy
+reads off, or make one rank's shared-memory set-up fail, and every case must still move the
+right bytes. Nothing may be left in ``/dev/shm`` once the ranks are gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshcomm.backends.tcp import TcpCommunicator, cma, shm
+from meshcomm.reduction import ReduceOp
+from meshcomm.store import StoreServer, TCPStore
+
+pytestmark = pytest.mark.skipif(not shm.shm_supported(), reason="no shared-memory fast path here")
+
+TIMEOUT = 20.0
+
+
+# -- harness: fn(comm, *args) on spawned ranks, each with its own environment ---------------
+
+
+def _child(name: str, rank: int, size: int, port: int, env: dict[str, str], out: Any) -> None:
+    os.environ.update(env)
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    comm = TcpCommunicator.create_world(rank, size, store, TIMEOUT)
+    try:
+        out.put((rank, "ok", globals()[name](comm)))
+    except BaseException as exc:
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        comm.close()
+        store.close()
+
+
+def run(name: str, envs: list[dict[str, str]]) -> tuple[list[Any], str]:
+    """Run ``name`` on ``len(envs)`` ranks; return the results and the job's token (hex)."""
+    size = len(envs)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with StoreServer("127.0.0.1", 0) as server:
+        procs = [
+            ctx.Process(target=_child, args=(name, r, size, server.port, envs[r], out))
+            for r in range(size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + 120
+        try:
+            while len(results) < size:
+                rank, status, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
+                results[rank] = (status, value)
+        except queue.Empty:
+            pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} never answered")
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+        client = TCPStore("127.0.0.1", server.port, timeout=10)
+        token = client.get("meshcomm/tcp/token").hex()
+        client.close()
+    errors = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
+    assert not errors, "\n".join(errors)
+    return [results[r][1] for r in range(size)], token
+
+
+def leftovers(token: str) -> list[str]:
+    return sorted(name for name in os.listdir(shm.SHM_DIR) if f".{token}." in name)
+
+
+# -- rank functions ------------------------------------------------------------------------
+
+
+def _ring(comm: TcpCommunicator, nbytes: int, steps: int = 3) -> bool:
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for step in range(steps):
+        send = np.full(nbytes, (comm.rank * 7 + step) % 251, np.uint8)
+        send[::4093] = np.arange(send[::4093].size, dtype=np.uint8)
+        recv = np.empty(nbytes, np.uint8)
+        comm.link.exchange([(right, send)], [(left, recv)])
+        expect = np.full(nbytes, (left * 7 + step) % 251, np.uint8)
+        expect[::4093] = np.arange(expect[::4093].size, dtype=np.uint8)
+        if not np.array_equal(recv, expect):
+            return False
+    return True
+
+
+def _all_pairs(comm: TcpCommunicator) -> bool:
+    me = comm.rank
+    for step, scale in enumerate((1, 1000, 50_000)):  # small, ring-sized, single-copy sized
+        peers = [p for p in range(comm.size) if p != me]
+        sends = [(p, np.full(scale * (me + 1) + p + step, me, np.int16)) for p in peers]
+        recvs = [(p, np.empty(scale * (p + 1) + me + step, np.int16)) for p in peers]
+        comm.link.exchange(sends, recvs)
+        if not all((buf == p).all() for p, buf in recvs):
+            return False
+    return True
+
+
+def _collectives(comm: TcpCommunicator) -> bool:
+    p, r = comm.size, comm.rank
+    for n in (5, 300_000):  # recursive doubling and the ring (single-copy chunks)
+        buf = np.arange(n, dtype=np.int64) + r
+        comm.all_reduce(buf, ReduceOp.SUM)
+        if not np.array_equal(buf, p * np.arange(n) + p * (p - 1) // 2):
+            return False
+    for root in range(p):
+        b = np.full(200_000, r, np.float32)
+        comm.broadcast(b, root)
+        if not (b == root).all():
+            return False
+    got = np.empty(p * 70_000, np.int32)
+    comm.all_gather(np.full(70_000, r, np.int32), got)
+    return bool((got.reshape(p, -1) == np.arange(p)[:, None]).all())
+
+
+def _unexpected_large(comm: TcpCommunicator) -> bool:
+    # Rank 1 sends big payloads before rank 0 posts their receives: an address (RTS) that
+    # arrives first must be read at once, so the sender's exchange can return. They go on a
+    # communicator of their own, so that the barrier's frames cannot match them.
+    pair = comm.sub([0, 1]) if comm.rank < 2 else None
+    ok = True
+    if comm.rank == 1:
+        assert pair is not None
+        for i in range(3):
+            pair.link.exchange([(0, np.full(1 << 20, i + 1, np.uint8))], [])
+    comm.barrier()
+    if comm.rank == 0:
+        assert pair is not None
+        bufs = [np.empty(1 << 20, np.uint8) for _ in range(3)]
+        for buf in bufs:
+            pair.link.exchange([], [(1, buf)])
+        ok = all((buf == i + 1).all() for i, buf in enumerate(bufs))
+    comm.barrier()
+    if pair is not None:
+        pair.close()
+    return ok
+
+
+def _report(comm: TcpCommunicator) -> dict[str, Any]:
+    comm.barrier()
+    t = comm.transport
+    report = {
+        "channels": t.channels,
+        "fallbacks": t.shm_fallbacks,
+        "single_copy": sorted(p for p, sp in t._shm.items() if sp.cma),
+        "names_during_run": leftovers(t.job),
+    }
+    comm.barrier()  # nobody closes (and says goodbye) before everyone has looked
+    return report
+
+
+def workout(comm: TcpCommunicator) -> dict[str, Any]:
+    """Everything at once: pairs, rings of small and large messages, collectives."""
+    ok = {
+        "pairs": _all_pairs(comm),
+        "ring_small": _ring(comm, 100, steps=50),
+        "ring_large": _ring(comm, 6 << 20),
+        "collectives": _collectives(comm),
+        "unexpected": _unexpected_large(comm),
+    }
+    return {"ok": ok, **_report(comm)}
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+ALL_OK = {"pairs": True, "ring_small": True, "ring_large": True, "collectives": True}
+
+
+def _check_ok(result: dict[str, Any]) -> None:
+    assert result["ok"] == {**ALL_OK, "unexpected": True}, result
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_same_host_peers_use_shared_memory_unless_told_not_to(transport: str) -> None:
+    results, token = run("workout", [{"MESHCOMM_TRANSPORT": transport}] * 3)
+    kind = "shm" if transport == "auto" else "tcp"
+    for rank, result in enumerate(results):
+        _check_ok(result)
+        assert result["channels"] == {p: kind for p in range(3) if p != rank}
+        assert result["fallbacks"] == {}
+        assert result["names_during_run"] == []  # names live only while set-up is in flight
+    assert leftovers(token) == []
+
+
+def test_pretend_hosts_mix_shared_memory_and_sockets() -> None:
+    # Ranks 0 and 1 on "host a", 2 and 3 on "host b": every rank waits on both kinds at once.
+    envs = [{"MESHCOMM_HOST_KEY": host} for host in ("a", "a", "b", "b")]
+    results, token = run("workout", envs)
+    for rank, result in enumerate(results):
+        _check_ok(result)
+        mate = rank ^ 1
+        assert result["channels"] == {
+            p: "shm" if p == mate else "tcp" for p in range(4) if p != rank
+        }
+    assert leftovers(token) == []
+
+
+def test_tiny_rings_without_single_copy_stream_everything() -> None:
+    env = {"MESHCOMM_SHM_BYTES": "4096", "MESHCOMM_SHM_CMA": "0"}
+    results, token = run("workout", [env] * 3)
+    for result in results:
+        _check_ok(result)
+        assert set(result["channels"].values()) == {"shm"}
+        assert result["single_copy"] == []
+    assert leftovers(token) == []
+
+
+def _siblings_may_read_each_other() -> bool:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as fh:
+            return int(fh.read()) == 0  # 1 and up: only ancestors may read a process
+    except OSError:
+        return True
+
+
+def test_single_copy_is_used_where_the_kernel_allows_it() -> None:
+    results, _ = run("workout", [{}] * 2)
+    for result in results:
+        _check_ok(result)
+    # Each pair probes process_vm_readv; where the kernel refuses, the rings carry it all.
+    allowed = cma.cma_available() and _siblings_may_read_each_other()
+    assert results[0]["single_copy"] == ([1] if allowed else [])
+    assert results[1]["single_copy"] == ([0] if allowed else [])
+
+
+def test_failed_set_up_falls_back_to_the_socket() -> None:
+    # Rank 1 asks for a 64 GiB ring: /dev/shm cannot reserve it, so rank 1 makes no offer
+    # and both ends of every pair with rank 1 use their socket.
+    envs = [{}, {"MESHCOMM_SHM_BYTES": str(1 << 36)}, {}]
+    results, token = run("workout", envs)
+    for result in results:
+        _check_ok(result)
+    assert results[0]["channels"] == {1: "tcp", 2: "shm"}
+    assert results[1]["channels"] == {0: "tcp", 2: "tcp"}
+    assert "no offer" in results[0]["fallbacks"][1]
+    assert leftovers(token) == []
+
+
+def test_ranks_that_disagree_on_the_transport_use_sockets() -> None:
+    envs = [{"MESHCOMM_TRANSPORT": "tcp"}, {}, {}]
+    results, _ = run("workout", envs)
+    for result in results:
+        _check_ok(result)
+    assert results[0]["channels"] == {1: "tcp", 2: "tcp"}
+    assert results[1]["channels"] == {0: "tcp", 2: "shm"}
