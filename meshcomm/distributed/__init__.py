@@ -9,7 +9,7 @@ computes meshcomm's functional result (see :mod:`meshcomm.group`) and copies it 
 caller's tensors: numpy arrays, torch tensors (CPU in place through shared memory; CUDA
 through cupy/DLPack) or cupy arrays, bfloat16 included. ``"gloo"`` is an alias of meshcomm's
 ``"tcp"`` backend. Launch with ``meshrun`` (torchrun's flags) or :func:`meshcomm.spawn`
-(``torch.multiprocessing.spawn``'s). See ``docs/distributed.md`` for what differs.
+(``torch.multiprocessing.spawn``'s). See ``docs/porting.md`` for what differs.
 
 The object collectives (``*_object*``) unpickle what peers send, as torch's do: use them only
 among trusted processes.
