@@ -371,7 +371,10 @@ def worker(expected_size: int) -> int:
         "all_reduce": all_reduce,
     }
     meshcomm.shutdown()
-    print(MARK + json.dumps(record), flush=True)
+    # One write of the whole line: ranks share torchrun's stdout pipe, and print() may write the
+    # text and its newline separately (unbuffered), letting another rank's line land in between.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (MARK + json.dumps(record) + "\n").encode())
     return 0 if all_reduce.startswith(("ok", "skipped")) else 1
 
 
