@@ -75,7 +75,9 @@ def peer_goes_away(group: ProcessGroup) -> list[str]:
 def fails_on_rank_one(group: ProcessGroup) -> None:
     if group.rank == 1:
         raise ValueError(f"rank {group.rank} refuses")
-    group.barrier()
+    # Wait without communicating: a barrier here would fail too once rank 1 is gone, and under
+    # load that second failure could be reported first. spawn stops this rank when rank 1 fails.
+    time.sleep(60)
 
 
 def sleeps(group: ProcessGroup) -> None:
