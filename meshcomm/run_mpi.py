@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -76,6 +77,10 @@ def _run(kind: str, target: str, rest: list[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
+# Seconds between printing the failure and calling MPI_Abort (on the failure path only).
+_FORWARD_GRACE_S = 0.5
+
+
 def _is_ours(filename: str) -> bool:
     return filename in (__file__, runpy.__file__) or "runpy" in filename
 
@@ -90,6 +95,9 @@ def _abort(mpi: Any, code: int, reason: str) -> NoReturn:
         file=sys.stderr,
         flush=True,
     )
+    # MPI_Abort makes the launcher kill every rank at once; give its stdio forwarder a moment
+    # to pass on the traceback just written, or the one message that explains the abort is lost.
+    time.sleep(_FORWARD_GRACE_S)
     world.Abort(code)
     os._exit(code)  # Abort does not return; this is only for a broken MPI
 
