@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshcomm.backends.tcp import TcpCommunicator, cma, shm
+from meshcomm.backends.tcp import TcpCommunicator, cma, shm, shm_engine
+from meshcomm.backends.tcp.transport import Transport, channel_kind
+from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
-from meshcomm.store import StoreServer, TCPStore
+from meshcomm.store import HashStore, StoreServer, TCPStore
 
 pytestmark = pytest.mark.skipif(not shm.shm_supported(), reason="no shared-memory fast path here")
 
@@ -256,3 +258,39 @@ def test_ranks_that_disagree_on_the_transport_use_sockets() -> None:
         _check_ok(result)
     assert results[0]["channels"] == {1: "tcp", 2: "tcp"}
     assert results[1]["channels"] == {0: "tcp", 2: "shm"}
+
+
+# -- in-process: knobs and the spin budget ----------------------------------------------------
+
+
+def test_spin_budget_adapts_only_with_a_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MESHCOMM_SHM_SPIN_US", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    fit, shared = shm_engine.spin_policy(1), shm_engine.spin_policy(cores + 1)
+    assert (fit, shared) == (shm_engine.SPIN_FIT_US * 1e-6, shm_engine.SPIN_SHARED_US * 1e-6)
+    spinner = shm_engine.Spinner(fit, shared=False)
+    for _ in range(20):
+        spinner.update(False, 0.0)  # polls that find nothing: the peer is not running
+    assert spinner.budget == shm_engine.SPIN_MIN_US * 1e-6
+    for _ in range(20):
+        spinner.update(True, 0.0)
+    assert spinner.budget == spinner.limit(0.0) <= fit
+    fixed = shm_engine.Spinner(shared, shared=True)
+    fixed.update(False, 0.0)
+    assert fixed.budget == shared  # sharing cores: a poller yields, no need to shrink
+    monkeypatch.setenv("MESHCOMM_SHM_SPIN_US", "0")
+    assert shm_engine.spin_policy(1) == 0.0
+    for bad in ("fast", "-1", "2e6"):
+        monkeypatch.setenv("MESHCOMM_SHM_SPIN_US", bad)
+        with pytest.raises(InvalidArgument, match="MESHCOMM_SHM_SPIN_US"):
+            Transport.start(0, 1, HashStore(timeout=5), 5.0)
+
+
+def test_channel_kind_follows_the_transport_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHCOMM_TRANSPORT", "tcp")
+    assert channel_kind(same_host=True) == "tcp"
+    monkeypatch.setenv("MESHCOMM_TRANSPORT", "auto")
+    assert channel_kind(same_host=True) == "shm" and channel_kind(same_host=False) == "tcp"
+    monkeypatch.setenv("MESHCOMM_SHM_CMA", "maybe")
+    with pytest.raises(InvalidArgument, match="MESHCOMM_SHM_CMA"):
+        cma.cma_enabled()

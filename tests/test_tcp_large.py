@@ -98,7 +98,6 @@ def test_messages_over_2_gib(transport: str, monkeypatch: pytest.MonkeyPatch) ->
                 p.join(60)
                 if p.is_alive():
                     p.kill()
-    print(transport, {r: v["seconds"] for r, v in results.items()})
     kind = "shm" if transport == "auto" else "tcp"
     for rank, result in results.items():
         assert result["message"] and result["all_reduce"], (rank, result)

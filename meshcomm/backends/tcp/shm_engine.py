@@ -89,26 +89,27 @@ def shares_cores(local_size: int) -> bool:
 
 
 class Spinner:
-    """How long to poll before sleeping: an adaptive budget under a fixed bound.
+    """How long to poll before sleeping: a budget under a fixed bound.
 
-    A poll that ends with data doubles the budget (up to the bound); one that finds nothing
-    halves it (down to ``SPIN_MIN_US``): when the peer is not running (its core is taken by
-    another process) polling only delays it, and the waiter soon sleeps at once. While the
-    host's load average exceeds its cores, the bound drops to ``SPIN_SHARED_US``: a waiter
-    that keeps its core busy hides that core from the scheduler's load balancing.
+    With a core per local rank the budget adapts: a poll that ends with data doubles it (up
+    to the bound), one that finds nothing halves it (down to ``SPIN_MIN_US``), because a
+    peer that is not running (its core taken by another process) is only delayed by a
+    poller that holds a core; and while the host's load average exceeds its cores, the bound
+    drops to ``SPIN_SHARED_US``. When local ranks share cores the budget stays at its bound:
+    a poller yields its core between polls, so a rank with work on the same core runs first.
     """
 
     def __init__(self, bound: float, shared: bool) -> None:
         self.bound = bound
         self.budget = bound
-        self._fixed = shared or bound <= SPIN_SHARED_US * 1e-6
+        self._adapt = not shared and bound > SPIN_SHARED_US * 1e-6
         self._cores = len(os.sched_getaffinity(0))
         self._busy = False
         self._checked = 0.0
 
     def limit(self, now: float) -> float:
         """The bound in force now (lower while the host is loaded by others)."""
-        if self._fixed:
+        if not self._adapt:
             return self.bound
         if now - self._checked >= _LOAD_CHECK:
             self._checked = now
@@ -120,6 +121,8 @@ class Spinner:
 
     def update(self, hit: bool, now: float) -> None:
         """Grow the budget after a poll that found work, shrink it after one that did not."""
+        if not self._adapt:
+            return
         if hit:
             self.budget = min(self.limit(now), 2 * self.budget)
         else:

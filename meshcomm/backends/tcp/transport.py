@@ -222,7 +222,8 @@ class Transport(ShmEngine):
             raise InvalidArgument(f"rank must be in [0, {size}), got {rank!r}")
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be positive, got {timeout!r}")
-        shm_enabled()  # validates MESHCOMM_TRANSPORT before any I/O
+        shm_enabled()  # validates MESHCOMM_TRANSPORT and MESHCOMM_SHM_SPIN_US before any I/O
+        spin_policy(_local_size(size))
         # Every rank proposes a token; the first proposal in the store wins for all.
         token = store.compare_set(TOKEN_KEY, b"", secrets.token_bytes(wire.TOKEN_SIZE))
         if len(token) != wire.TOKEN_SIZE:
