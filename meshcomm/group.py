@@ -56,12 +56,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _lower
+from meshcomm import _fingerprint, _lower, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
@@ -227,9 +228,20 @@ class ProcessGroup:
             call = self._calls[op] = self._call(f"{op}: {self._where}")
         return call
 
-    def _issue(self, op: str, lowered: _lower.Lowered, async_op: bool) -> Any:
-        """Run a lowered call in the world's order (after a fingerprint check in debug mode)."""
+    def _issue(
+        self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
+    ) -> Any:
+        """Run a lowered call in the world's order (after a fingerprint check in debug mode).
+
+        ``device``: the array module (cupy) the input came from; the result goes back to it.
+        """
         body, fields = lowered
+        if device is not None:
+            on_host = body
+
+            def body() -> Any:
+                return _staging.to_device(device, on_host())
+
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self._engine.submit(body, f"{op} on {self._where}", bool(async_op))
         self._seq = seq = self._seq + 1
@@ -273,8 +285,9 @@ class ProcessGroup:
             array([3., 6.])
         """
         c = self._enter("all_reduce")
+        x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
-        return self._issue("all_reduce", lowered, async_op)
+        return self._issue("all_reduce", lowered, async_op, dev)
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -305,8 +318,9 @@ class ProcessGroup:
             ((2, 1, 3), (2, 3))
         """
         c = self._enter("all_gather")
+        x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
-        return self._issue("all_gather", lowered, async_op)
+        return self._issue("all_gather", lowered, async_op, dev)
 
     def reduce_scatter(
         self,
@@ -344,8 +358,9 @@ class ProcessGroup:
             array([0., 1., 2., 3.])
         """
         c = self._enter("reduce_scatter")
+        x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
-        return self._issue("reduce_scatter", lowered, async_op)
+        return self._issue("reduce_scatter", lowered, async_op, dev)
 
     def all_to_all(
         self,
@@ -384,8 +399,9 @@ class ProcessGroup:
             (6, 1)
         """
         c = self._enter("all_to_all")
+        x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
-        return self._issue("all_to_all", lowered, async_op)
+        return self._issue("all_to_all", lowered, async_op, dev)
 
     def broadcast(
         self,
@@ -420,7 +436,8 @@ class ProcessGroup:
             array([0, 1, 2])
         """
         c = self._enter("broadcast")
-        return self._issue("broadcast", _lower.broadcast(c, x, root, shape, dtype), async_op)
+        x, dev = _staging.to_host(x)
+        return self._issue("broadcast", _lower.broadcast(c, x, root, shape, dtype), async_op, dev)
 
     def reduce(
         self,
@@ -454,7 +471,8 @@ class ProcessGroup:
             array([3, 1])
         """
         c = self._enter("reduce")
-        return self._issue("reduce", _lower.reduce(c, x, root, op, factor), async_op)
+        x, dev = _staging.to_host(x)
+        return self._issue("reduce", _lower.reduce(c, x, root, op, factor), async_op, dev)
 
     def gather(self, x: ArrayLike, root: int = 0, *, async_op: bool = False) -> Any:
         """Stack every rank's ``x`` on ``root``.
@@ -478,7 +496,8 @@ class ProcessGroup:
             array([[0, 1]])
         """
         c = self._enter("gather")
-        return self._issue("gather", _lower.gather(c, x, root, bool(async_op)), async_op)
+        x, dev = _staging.to_host(x)
+        return self._issue("gather", _lower.gather(c, x, root, bool(async_op)), async_op, dev)
 
     def scatter(
         self,
@@ -514,8 +533,9 @@ class ProcessGroup:
             array([1, 2])
         """
         c = self._enter("scatter")
+        x, dev = _staging.to_host(x)
         lowered = _lower.scatter(c, x, root, shape, dtype, snapshot=bool(async_op))
-        return self._issue("scatter", lowered, async_op)
+        return self._issue("scatter", lowered, async_op, dev)
 
     def permute(
         self, x: ArrayLike, perm: Sequence[tuple[int, int]], *, async_op: bool = False
@@ -541,7 +561,8 @@ class ProcessGroup:
             (array([1, 2]), array([0, 0]))
         """
         c = self._enter("permute")
-        return self._issue("permute", _lower.permute(c, x, perm, bool(async_op)), async_op)
+        x, dev = _staging.to_host(x)
+        return self._issue("permute", _lower.permute(c, x, perm, bool(async_op)), async_op, dev)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank of the group has entered the barrier.
@@ -578,7 +599,8 @@ class ProcessGroup:
             array([0, 1, 2])
         """
         c = self._enter("send")
-        return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op)
+        x, dev = _staging.to_host(x)
+        return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op, dev)
 
     def recv(
         self,

@@ -145,9 +145,16 @@ def _nccl() -> dict[str, Any]:
 
         out["cupy"] = str(cupy.__version__)
         out["nccl"] = int(nccl.get_version())
-        out["available"] = bool(nccl.available) if hasattr(nccl, "available") else True
     except Exception as exc:
         out["reason"] = f"cupy is installed but NCCL is not usable: {type(exc).__name__}: {exc}"
+        return out
+    # cupy and NCCL being importable is not a backend: say so until meshcomm has one.
+    out["available"] = _has("meshcomm.backends.nccl")
+    if not out["available"]:
+        out["reason"] = (
+            f"meshcomm has no nccl backend yet (cupy {out['cupy']} and NCCL {out['nccl']} "
+            "found); cupy arrays go through host memory on tcp and mpi"
+        )
     return out
 
 
