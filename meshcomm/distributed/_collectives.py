@@ -184,6 +184,27 @@ def reduce(
     return run("reduce", issue, [tensor], finish, async_op)
 
 
+def _root_list(
+    pg: Any, root: int, tensors: list[Any] | None, name: str, mine: Buffer, role: str
+) -> list[Buffer]:
+    """Check the per-rank list that only the root passes (gather's outputs, scatter's inputs).
+
+    Returns the list's buffers on the root (one per group rank, each with ``mine``'s dtype and
+    number of elements) and an empty list elsewhere. The messages are torch's.
+    """
+    if root != pg.rank():
+        if tensors:
+            raise ValueError(f"Argument ``{name}`` must NOT be specified on non-{role} ranks.")
+        return []
+    if not tensors:
+        raise ValueError(f"Argument ``{name}`` must be specified on {role} rank.")
+    bufs = as_buffer_list(tensors, name)
+    same_dtype([mine, *bufs])
+    same_count(pg.size(), bufs, name)
+    counts_equal(bufs, mine.numel, "tensor")
+    return bufs
+
+
 @public
 def gather(
     tensor: Any,
@@ -214,17 +235,8 @@ def gather(
         warn_not_in_group("gather")
         return None
     root = canonical_rank(pg, dst, group_dst, "dst")
-    outs: list[Buffer] = []
-    if root == pg.rank():
-        if not gather_list:
-            raise ValueError("Argument ``gather_list`` must be specified on destination rank.")
-        outs = as_buffer_list(gather_list, "gather_list")
-        same_dtype([inp, *outs])
-        same_count(pg.size(), outs, "gather_list")
-        counts_equal(outs, inp.numel, "tensor")
-        writable(*outs)
-    elif gather_list:
-        raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
+    outs = _root_list(pg, root, gather_list, "gather_list", inp, "destination")
+    writable(*outs)
     STATE.flush()
     g = pg.mesh_group
 
@@ -270,17 +282,8 @@ def scatter(
         warn_not_in_group("scatter")
         return None
     root = canonical_rank(pg, src, group_src, "src")
-    x: np.ndarray | None = None
-    if root == pg.rank():
-        if not scatter_list:
-            raise ValueError("Argument ``scatter_list`` must be specified on source rank.")
-        ins = as_buffer_list(scatter_list, "scatter_list")
-        same_dtype([out, *ins])
-        same_count(pg.size(), ins, "scatter_list")
-        counts_equal(ins, out.numel, "tensor")
-        x = np.stack([flat(b) for b in ins]) if ins else None
-    elif scatter_list:
-        raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
+    ins = _root_list(pg, root, scatter_list, "scatter_list", out, "source")
+    x = np.stack([flat(b) for b in ins]) if ins else None
     STATE.flush()
     g = pg.mesh_group
 
