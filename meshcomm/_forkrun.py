@@ -169,6 +169,9 @@ def fork_rank(
         try:
             _become_rank(parent, env, stdout_fd, stderr_fd, signals, old_mask)
             code = _run_program(target, args, module)
+        except BaseException as exc:  # the rank could not be set up: say why, then exit 1
+            with contextlib.suppress(BaseException):
+                os.write(2, f"meshrun: cannot start the rank: {exc!r}\n".encode())
         finally:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
