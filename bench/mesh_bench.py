@@ -9,6 +9,7 @@ Three figures for ``docs/benchmarks.md``:
    after making the mesh, and after one collective along each axis (both libraries).
 3. **job**: the wall time of a whole 8-rank job under its launcher (launch, (2, 4) mesh,
    one psum per axis, exit): ``meshrun`` vs ``torchrun --standalone``; target ratio <= 0.15.
+   ``meshrun --start-method spawn`` (a fresh interpreter per rank) is timed beside them.
 
 Usage (torch is optional: without it only the meshcomm figures are printed)::
 
@@ -146,8 +147,12 @@ def _env() -> dict[str, str]:
 def _launch(lib: str, args: list[str], nproc: int, timeout: float) -> float:
     """Run this file under ``lib``'s launcher; return the wall time in seconds."""
     me = str(Path(__file__).resolve())
-    if lib == "meshcomm":
-        cmd = [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", str(nproc), me, *args]
+    if lib in ("meshcomm", "meshcomm-spawn"):
+        method = "spawn" if lib == "meshcomm-spawn" else "fork"
+        cmd = [
+            sys.executable, "-m", "meshcomm.run", "--start-method", method,
+            "--nproc-per-node", str(nproc), me, *args,
+        ]  # fmt: skip
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -226,21 +231,26 @@ def bench_sockets(libs: list[str], nproc: int) -> dict[str, Any]:
 
 
 def bench_job(libs: list[str], repeat: int, nproc: int) -> dict[str, Any]:
+    libs = [libs[0], "meshcomm-spawn", *libs[1:]]  # meshrun's old start method, for scale
     walls: dict[str, list[float]] = {lib: [] for lib in libs}
     for i in range(repeat):
         order = libs if i % 2 == 0 else libs[::-1]
         for lib in order:
-            walls[lib].append(_launch(lib, ["_job", lib], nproc, timeout=300))
+            body = "torch" if lib == "torch" else "meshcomm"
+            walls[lib].append(_launch(lib, ["_job", body], nproc, timeout=300))
     out: dict[str, Any] = {lib: _stats(w) for lib, w in walls.items()}
     print(f"\nwhole {nproc}-rank job ({INIT_SHAPE} mesh, one psum per axis), median of {repeat}:")
+    labels = {"meshcomm": "meshrun", "meshcomm-spawn": "meshrun --start-method spawn"}
     for lib in libs:
-        label = "meshrun" if lib == "meshcomm" else "torchrun"
         s = out[lib]
-        print(f"  {label:9} {s['median']:7.2f} s ({s['min']:.2f}..{s['max']:.2f})")
+        label = labels.get(lib, "torchrun")
+        print(f"  {label:28} {s['median']:7.2f} s ({s['min']:.2f}..{s['max']:.2f})")
     if "torch" in out:
         ratio = out["meshcomm"]["median"] / out["torch"]["median"]
         out["ratio"] = ratio
+        out["spawn_ratio"] = out["meshcomm-spawn"]["median"] / out["torch"]["median"]
         print(f"  meshrun / torchrun = {ratio:.3f}x (target <= 0.15x)")
+        print(f"  meshrun --start-method spawn / torchrun = {out['spawn_ratio']:.3f}x")
     return out
 
 

@@ -30,14 +30,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 from typing import Any
+
+# importlib.metadata (and the email package under it) and subprocess are imported when
+# info() runs: ``import meshcomm`` imports this module in every rank.
 
 __all__ = ["info"]
 
@@ -46,6 +47,8 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def _version(dist: str) -> str | None:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -96,6 +99,8 @@ def _mpi_here() -> dict[str, Any]:
 
 def _mpi_child(timeout: float) -> dict[str, Any]:
     """Ask MPI in a child process that no launcher variable reaches (a singleton MPI)."""
+    import subprocess
+
     env = {
         k: v for k, v in os.environ.items() if not (k.startswith(_PREFIXES) or k in _LAUNCH_VARS)
     }

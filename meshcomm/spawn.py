@@ -19,8 +19,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -28,9 +26,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshcomm._procs import (
     DEFAULT_GRACE_PERIOD,
@@ -49,7 +45,11 @@ from meshcomm.errors import (
 )
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
+
     from meshcomm.store.server import StoreServer
+
 
 __all__ = [
     "ProcessExitedException",
@@ -59,6 +59,14 @@ __all__ = [
     "SpawnTimeout",
     "spawn",
 ]
+
+
+def _wait_any(objects: list[Any], timeout: float | None) -> list[Any]:
+    """``multiprocessing.connection.wait``, imported when first needed."""
+    from multiprocessing.connection import wait
+
+    return wait(objects, timeout=timeout)
+
 
 # Longest single wait of join(); exits wake it earlier through the process sentinels.
 _POLL_SECONDS = 1.0
@@ -168,7 +176,7 @@ class SpawnContext:
                     if wait <= 0:
                         return False
                 live = [p.sentinel for p in self.processes if p.exitcode is None]
-                multiprocessing.connection.wait([*live, *self._errors.values()], timeout=wait)
+                _wait_any([*live, *self._errors.values()], timeout=wait)
         except KeyboardInterrupt:
             self.terminate()
             raise
@@ -183,9 +191,7 @@ class SpawnContext:
             proc.terminate()
         deadline = time.monotonic() + self._grace_period
         while live and time.monotonic() < deadline:
-            multiprocessing.connection.wait(
-                [p.sentinel for p in live], timeout=deadline - time.monotonic()
-            )
+            _wait_any([p.sentinel for p in live], timeout=deadline - time.monotonic())
             live = [p for p in live if p.exitcode is None]
         for proc in live:
             proc.kill()
@@ -314,6 +320,8 @@ def spawn(
         )
     _check_picklable("fn", fn)
     _check_picklable("args", args)
+
+    import multiprocessing  # here: ``import meshcomm`` (every rank) need not pay for it
 
     mp = multiprocessing.get_context("spawn")
     server = _host_store()

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 
 import meshcomm
-from meshcomm.run import parse_args
+from meshcomm.run import START_METHOD_VARIABLE, parse_args
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parent.parent
 ENV_SCRIPT = str(SCRIPTS / "launch_env.py")
 WORKER = str(SCRIPTS / "launch_worker.py")
+MAIN_SCRIPT = str(SCRIPTS / "launch_main.py")
 # Bounds for "promptly": generous, because a 2-core CI machine starts Pythons slowly.
 RUN_TIMEOUT = 60.0
 GONE_WITHIN = 10.0
@@ -115,10 +116,17 @@ def kill_leftovers(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.fixture(params=["fork", "spawn"])
+def start_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test under each start method (meshrun reads it from the environment)."""
+    monkeypatch.setenv(START_METHOD_VARIABLE, request.param)
+    return str(request.param)
+
+
 # -- environment, prefixes, arguments ----------------------------------------------------------
 
 
-def test_env_prefix_and_args() -> None:
+def test_env_prefix_and_args(start_method: str) -> None:
     # Arguments after the script that look like meshrun's own options belong to the script.
     result = meshrun(
         "--nproc-per-node", "3", ENV_SCRIPT, "--nproc-per-node", "7", "-m", "x", "a b"
@@ -154,14 +162,14 @@ def test_torchrun_spellings_and_standalone() -> None:
     assert records[1]["env"]["TORCHELASTIC_RUN_ID"] == "job7"
 
 
-def test_no_prefix() -> None:
+def test_no_prefix(start_method: str) -> None:
     result = meshrun("--nproc-per-node", "2", "--no-prefix", ENV_SCRIPT)
     assert result.returncode == 0, result.stderr
     assert "[rank" not in result.stdout + result.stderr
     assert sorted(raw_records(result.stdout)) == [0, 1]
 
 
-def test_module_mode() -> None:
+def test_module_mode(start_method: str) -> None:
     result = meshrun("--nproc-per-node", "2", "-m", "launch_env", "--flag", cwd=SCRIPTS)
     assert result.returncode == 0, result.stderr
     records = rank_records(result.stdout)
@@ -271,10 +279,106 @@ def test_no_python_runs_a_program() -> None:
     assert sorted(rank_records(result.stdout)) == [0, 1]
 
 
+# -- start methods -------------------------------------------------------------------------------
+
+
+def test_start_method_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("print('hi')\n")
+    monkeypatch.delenv(START_METHOD_VARIABLE, raising=False)
+    fork = "fork" if sys.platform.startswith("linux") else "spawn"
+    assert parse_args([str(script)]).start_method == fork
+    assert parse_args(["-m", "json.tool"]).start_method == fork
+    assert parse_args(["--start-method", "spawn", str(script)]).start_method == "spawn"
+    assert parse_args(["--start_method=spawn", "-m", "json.tool"]).start_method == "spawn"
+    # Not a Python source file meshrun can run in its own interpreter: spawned.
+    assert parse_args(["--no-python", sys.executable, str(script)]).start_method == "spawn"
+    assert parse_args([str(tmp_path)]).start_method == "spawn"  # a directory with __main__
+    monkeypatch.setenv("PYTHON_EXEC", "/another/python")
+    assert parse_args([str(script)]).start_method == "spawn"
+    monkeypatch.delenv("PYTHON_EXEC")
+    monkeypatch.setenv(START_METHOD_VARIABLE, "spawn")
+    assert parse_args([str(script)]).start_method == "spawn"
+    assert parse_args(["--start-method", "fork", str(script)]).start_method == fork
+    monkeypatch.setenv(START_METHOD_VARIABLE, "forkserver")
+    with pytest.raises(SystemExit):
+        parse_args([str(script)])
+
+
+def _main_records(*args: str, cwd: Path | None = None, **env: str) -> list[dict[str, Any]]:
+    records = []
+    for method in ("fork", "spawn"):
+        result = meshrun(
+            "--nproc-per-node", "2", "--start-method", method, *args,
+            cwd=cwd, env={**os.environ, **env},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        by_rank = rank_records_of(result.stdout)
+        assert sorted(by_rank) == [0, 1]
+        records.append(by_rank[0])
+    return records
+
+
+def rank_records_of(stdout: str) -> dict[int, dict[str, Any]]:
+    out = {}
+    for line in stdout.splitlines():
+        tag, _, text = line.partition(" ")
+        if text.startswith("{"):
+            out[int(tag[len("[rank") : -1])] = json.loads(text)
+    return out
+
+
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_forked_rank_starts_like_a_spawned_one(omp: str | None) -> None:
+    # __main__, argv, sys.path[0], descriptors, signals, streams and the BLAS thread pool
+    # must not tell a forked rank from a fresh interpreter.
+    env = {} if omp is None else {"OMP_NUM_THREADS": omp}
+    forked, spawned = _main_records(MAIN_SCRIPT, "ok", **env)
+    assert forked == spawned
+    assert forked["name"] == "__main__" and forked["main_is_this"]
+    assert forked["argv"] == [MAIN_SCRIPT, "ok"]
+    assert forked["path0"] == str(SCRIPTS.resolve())
+    assert forked["leads_group"] and forked["stdin"] == ""
+    assert forked["omp"] == (omp or "1")
+
+
+def test_forked_module_starts_like_a_spawned_one() -> None:
+    forked, spawned = _main_records("-m", "launch_main", "x", cwd=SCRIPTS)
+    assert forked == spawned
+    assert forked["spec"] == "launch_main" and forked["argv"][1:] == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("action", "status", "expected"),
+    [
+        ("exit3", 3, "exited with code 3"),
+        ("exit-text", 1, "[rank0] bye"),
+        ("interrupt", 128 + signal.SIGINT, "killed by SIGINT"),
+        ("raise", 1, "[rank0] ValueError: boom"),
+    ],
+)
+def test_exit_statuses(start_method: str, action: str, status: int, expected: str) -> None:
+    result = meshrun("--nproc-per-node", "1", MAIN_SCRIPT, action)
+    assert result.returncode == status, result.stderr
+    assert expected in result.stderr
+    if action == "raise":  # the traceback starts at the program, as python prints it
+        tb = result.stderr.splitlines()
+        first = tb.index("[rank0] Traceback (most recent call last):")
+        assert tb[first + 1].startswith(f'[rank0]   File "{Path(MAIN_SCRIPT).resolve()}"')
+
+
+def test_threads_and_atexit_finish(start_method: str) -> None:
+    result = meshrun("--nproc-per-node", "2", MAIN_SCRIPT, "finish")
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        lines = [line for line in result.stdout.splitlines() if line.startswith(f"[rank{rank}]")]
+        assert lines[1:] == [f"[rank{rank}] thread done", f"[rank{rank}] atexit ran"]
+
+
 # -- failures ----------------------------------------------------------------------------------
 
 
-def test_rank_raises(tmp_path: Path) -> None:
+def test_rank_raises(start_method: str, tmp_path: Path) -> None:
     start = time.monotonic()
     result = meshrun("--nproc-per-node", "4", WORKER, str(tmp_path), "raise", "2")
     elapsed = time.monotonic() - start
@@ -293,7 +397,7 @@ def test_rank_raises(tmp_path: Path) -> None:
         kill_leftovers(pids)
 
 
-def test_rank_killed_by_signal(tmp_path: Path) -> None:
+def test_rank_killed_by_signal(start_method: str, tmp_path: Path) -> None:
     result = meshrun("--nproc-per-node", "3", WORKER, str(tmp_path), "sigkill", "1")
     pids = read_pids(tmp_path, [f"rank{r}" for r in range(3)], within=0)
     try:
@@ -304,7 +408,7 @@ def test_rank_killed_by_signal(tmp_path: Path) -> None:
         kill_leftovers(pids)
 
 
-def test_ranks_ignoring_sigterm_get_sigkill(tmp_path: Path) -> None:
+def test_ranks_ignoring_sigterm_get_sigkill(start_method: str, tmp_path: Path) -> None:
     result = meshrun(
         "--nproc-per-node", "3", "--grace-period", "1", WORKER, str(tmp_path), "exit3", "1",
         "--ignore-term",
@@ -322,7 +426,9 @@ def test_ranks_ignoring_sigterm_get_sigkill(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)]
 )
-def test_ctrl_c_stops_every_rank(tmp_path: Path, signum: int, status: int) -> None:
+def test_ctrl_c_stops_every_rank(
+    start_method: str, tmp_path: Path, signum: int, status: int
+) -> None:
     proc = start_meshrun(
         "--nproc-per-node", "3", WORKER, str(tmp_path), "sleep", "0", "--grandchild"
     )
@@ -342,7 +448,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path, signum: int, status: int) -> No
 
 
 @linux_only
-def test_sigkilled_meshrun_leaves_no_orphans(tmp_path: Path) -> None:
+def test_sigkilled_meshrun_leaves_no_orphans(start_method: str, tmp_path: Path) -> None:
     proc = start_meshrun("--nproc-per-node", "3", WORKER, str(tmp_path), "sleep", "0")
     pids: list[int] = []
     try:

@@ -20,6 +20,16 @@ from meshcomm.errors import InvalidArgument
 __all__ = ["axis_arg", "block_shape", "index_arg", "to_blocks", "unstack"]
 
 
+def _as_int(where: str, value: Any, name: str) -> int:
+    """``value`` as an int (anything with ``__index__``, but not a bool)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}") from None
+
+
 def axis_arg(where: str, value: Any, n: int, name: str) -> int:
     """Return ``value`` as a position in ``[0, n)`` (negative counts from the end).
 
@@ -27,12 +37,7 @@ def axis_arg(where: str, value: Any, n: int, name: str) -> int:
         TypeError: not an int.
         InvalidArgument: out of range.
     """
-    if isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r}")
-    try:
-        a = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}") from None
+    a = _as_int(where, value, name)
     if not -n <= a < n:
         raise InvalidArgument(
             f"{where}: {name}={a} is out of range for {n} positions (valid: {-n}..{n - 1})"
@@ -47,12 +52,7 @@ def index_arg(where: str, value: Any, size: int, name: str) -> int:
         TypeError: not an int.
         InvalidArgument: out of range.
     """
-    if isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r}")
-    try:
-        i = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}") from None
+    i = _as_int(where, value, name)
     if not 0 <= i < size:
         raise InvalidArgument(f"{where}: {name} must be an axis index in [0, {size}), got {i}")
     return i
