@@ -30,9 +30,12 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -262,7 +265,9 @@ def start_cluster(
             f"--HeartMonitor.period={heartbeat_ms}",
             f"--HeartMonitor.max_heartmonitor_misses={_HEARTBEAT_MISSES}",
         ],
-        "log_level": 30,
+        # Stopped engines exit non-zero, which ipyparallel reports at WARNING with their
+        # whole log; failures that matter reach the caller as exceptions instead.
+        "log_level": logging.ERROR,
     }
     if profile_dir is not None:
         kwargs["profile_dir"] = profile_dir
@@ -272,7 +277,10 @@ def start_cluster(
     server.start()
     client = None
     try:
-        client = cluster.start_and_connect_sync()
+        cluster.start_cluster_sync(n)
+        client = cluster.connect_client_sync()
+        # interactive=False: no progress bar in the notebook for a start of a few seconds.
+        client.wait_for_engines(n, timeout=_remaining(deadline), interactive=False)
         engine_ids = _rank_order(client, backend, deadline)
         view = client[engine_ids]
         view.block = True
@@ -296,9 +304,18 @@ def start_cluster(
         pids=pids,
         startup_seconds=time.perf_counter() - started,
     )
+    # A kernel that exits (a failed notebook in CI included) stops its clusters.
+    atexit.register(_stop_at_exit, weakref.ref(mc))
     if activate:
         _activate(view)
     return mc
+
+
+def _stop_at_exit(ref: weakref.ref[MeshCluster]) -> None:
+    mc = ref()
+    if mc is not None:
+        with contextlib.suppress(Exception):
+            mc.stop(timeout=10.0)
 
 
 def _check_mesh(

@@ -267,10 +267,12 @@ def test_stop_leaves_no_engine_processes(ipython_dir: Path) -> None:
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 def test_mpi_engines(ipython_dir: Path) -> None:
     pytest.importorskip("mpi4py")
+    before = _children()
     with start_cluster(2, backend="mpi", timeout=START_TIMEOUT) as mc:
-        pids = list(mc.pids)
+        started = _children() - before  # mpiexec, its proxy, engines, nannies, controller
+        assert set(mc.pids) <= started
         assert mc.apply(who_am_i, timeout=CALL_TIMEOUT) == [(0, 0, 2), (1, 1, 2)]
         assert mc.apply(backend_name, timeout=CALL_TIMEOUT) == ["mpi", "mpi"]
         sums = mc.apply(ranked_sum, timeout=CALL_TIMEOUT)
         assert sums == [[1.0, 3.0, 5.0]] * 2
-    assert _wait_gone(pids) == []
+    assert _wait_gone(sorted(started)) == []
