@@ -213,12 +213,15 @@ def test_init_in_an_engine_without_a_rank_says_what_it_needs(cluster: MeshCluste
 
         from meshcomm.world import World
 
-        for key in [k for k in os.environ if k.startswith("MESHCOMM_")]:
+        saved = {k: v for k, v in os.environ.items() if k.startswith("MESHCOMM_")}
+        for key in saved:
             del os.environ[key]
         try:
             World().init(timeout=5)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
+        finally:
+            os.environ.update(saved)  # later tests restart the world on this engine
         return "no error"
 
     messages = (
@@ -235,6 +238,17 @@ def test_visualize_renders_html_on_engines(cluster: MeshCluster) -> None:
     pages = cluster.apply(mesh_html, timeout=CALL_TIMEOUT)
     assert all("<table" in page for page in pages)
     assert pages[0] != pages[3]  # each marks its own rank
+
+
+def test_world_restarts_on_the_engines(cluster: MeshCluster) -> None:
+    cluster.view.execute(
+        "meshcomm.shutdown()\n"
+        "world = meshcomm.init(timeout=60)\n"
+        "mesh = meshcomm.init_device_mesh((2, 2), ('dp', 'tp'))\n",
+        block=False,
+    ).get(timeout=CALL_TIMEOUT)
+    assert cluster.apply(count_ranks, timeout=CALL_TIMEOUT) == [4] * 4
+    assert cluster.apply(my_coordinate, timeout=CALL_TIMEOUT) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 # -- stopping ---------------------------------------------------------------------------------
