@@ -196,6 +196,7 @@ def start_cluster(
     mesh_dim_names: Sequence[str] | None = None,
     *,
     timeout: Timeout = 120.0,
+    op_timeout: Timeout | None = None,
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
     activate: bool = True,
     profile_dir: str | None = None,
@@ -215,7 +216,9 @@ def start_cluster(
             ``mpiexec``, MPI rank = meshcomm rank; needs mpi4py).
         mesh_shape: the mesh to build on every engine as ``mesh`` (one entry may be -1).
         mesh_dim_names: its axis names.
-        timeout: seconds for the whole start (engines, rendezvous, mesh).
+        timeout: seconds (or ``timedelta``) for the whole start: engines, rendezvous, mesh.
+        op_timeout: the engines' world timeout, for every later blocking operation
+            (default: ``MESHCOMM_TIMEOUT`` or 300 s, as for ``meshcomm.init()``).
         heartbeat_ms: the controller's heartbeat period; engines register at the first
             beat after they connect, so a short period makes starts quick.
         activate: register ``%px`` magics when running inside IPython.
@@ -284,7 +287,9 @@ def start_cluster(
         engine_ids = _rank_order(client, backend, deadline)
         view = client[engine_ids]
         view.block = True
-        pids = _setup_engines(client, engine_ids, backend, server.port, shape, names, deadline)
+        pids = _setup_engines(
+            client, engine_ids, backend, server.port, shape, names, op_timeout, deadline
+        )
     except BaseException:
         if client is not None:
             with contextlib.suppress(Exception):
@@ -357,14 +362,19 @@ def _setup_engines(
     port: int,
     shape: tuple[int, ...] | None,
     names: tuple[str, ...] | None,
+    op_timeout: Timeout | None,
     deadline: float,
 ) -> list[int]:
-    """Run the rendezvous on every engine at once; return the engines' pids in rank order."""
+    """Run the rendezvous on every engine at once; return the engines' pids in rank order.
+
+    The start's deadline is kept here, in the notebook: engines that miss it are stopped
+    with the cluster, so their world can keep the timeout meant for later operations.
+    """
     world_size = len(engine_ids)
-    timeout = _remaining(deadline)
+    seconds = None if op_timeout is None else to_seconds(op_timeout)
     pending = [
         client[eid].apply_async(
-            _engine_setup, rank, world_size, eid, backend, "127.0.0.1", port, shape, names, timeout
+            _engine_setup, rank, world_size, backend, "127.0.0.1", port, shape, names, seconds
         )
         for rank, eid in enumerate(engine_ids)
     ]
@@ -421,13 +431,12 @@ def _mpi_rank() -> int:
 def _engine_setup(
     rank: int,
     world_size: int,
-    engine_id: int,
     backend: str,
     addr: str,
     port: int,
     shape: tuple[int, ...] | None,
     names: tuple[str, ...] | None,
-    timeout: float,
+    timeout: float | None,
 ) -> int:
     """On one engine: set the launcher variables, join the world, fill the namespace."""
     import numpy as np
