@@ -7,7 +7,8 @@ of them at once, and activates ``%px``/``%%px`` when it runs inside IPython. Eng
 rank ``i``, so ipyparallel's ``[stdout:3]`` and ``[3:execute]`` prefixes name the rank.
 
 Each engine's namespace then holds ``meshcomm``, ``ops``, ``np``, ``rank``, ``world_size``,
-``world`` (the world group) and, with a mesh shape, ``mesh``. Exceptions raised in ``%px``
+``world`` (the world group) and, with a mesh shape, ``mesh``, which is also the engine's
+ambient mesh (``ops.psum(x, "tp")`` needs no ``with mesh:``). Exceptions raised in ``%px``
 cells carry a note naming the rank.
 
 Needs the ``jupyter`` extra (``pip install 'meshcomm[jupyter]'``); ipyparallel is imported
@@ -467,7 +468,10 @@ def _engine_setup(
         "world": world,
     }
     if shape is not None:
-        space["mesh"] = init_device_mesh(shape, names)
+        space["mesh"] = mesh = init_device_mesh(shape, names)
+        # The engine runs every cell in one context, so this makes the mesh ambient for the
+        # whole session, as if each cell were inside `with mesh:` (nested blocks still work).
+        mesh.__enter__()
     shell = _engine_shell()
     if shell is not None:
         shell.user_ns.update(space)

@@ -184,6 +184,13 @@ def test_psum_and_all_gather_match_numpy(cluster: MeshCluster) -> None:
         np.testing.assert_array_equal(gathered[r], np.concatenate([xs[q] for q in grid[row]]))
 
 
+def test_the_mesh_is_ambient_on_the_engines(cluster: MeshCluster) -> None:
+    cluster.view.execute("ambient = ops.psum(np.full(2, rank), 'tp')", block=False).get(
+        timeout=CALL_TIMEOUT
+    )
+    assert [a.tolist() for a in cluster.gather("ambient")] == [[1, 1], [1, 1], [5, 5], [5, 5]]
+
+
 def test_cell_error_names_the_rank(cluster: MeshCluster) -> None:
     with pytest.raises(CompositeError) as info:
         cluster.view.execute("if rank == 1:\n    1 / 0", block=False).get(timeout=CALL_TIMEOUT)
@@ -244,7 +251,7 @@ def test_world_restarts_on_the_engines(cluster: MeshCluster) -> None:
     cluster.view.execute(
         "meshcomm.shutdown()\n"
         "world = meshcomm.init(timeout=60)\n"
-        "mesh = meshcomm.init_device_mesh((2, 2), ('dp', 'tp'))\n",
+        "mesh = meshcomm.init_device_mesh((2, 2), ('dp', 'tp')).__enter__()\n",
         block=False,
     ).get(timeout=CALL_TIMEOUT)
     assert cluster.apply(count_ranks, timeout=CALL_TIMEOUT) == [4] * 4
