@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -61,8 +62,6 @@ DEFAULT_HEARTBEAT_MS = 200
 # Missed heartbeats before the controller drops an engine: ~30 s at the period above, so a
 # busy 2-core machine does not lose engines (ipyparallel's default of 10 assumes 3 s beats).
 _HEARTBEAT_MISSES = 150
-# Seconds that stop() gives the engines to leave the meshcomm world before stopping them.
-_SHUTDOWN_TIMEOUT = 20.0
 _ENGINE_BACKENDS = {"tcp": "local", "mpi": "mpi"}
 
 
@@ -84,7 +83,7 @@ class MeshCluster:
     Attributes:
         cluster: the ``ipyparallel.Cluster`` (controller and engines).
         client: the connected ``ipyparallel.Client``.
-        view: a blocking ``DirectView`` on every engine, in rank order (``view[r]`` is rank r).
+        view: a blocking ``DirectView`` on every engine, its targets in rank order.
         n: the number of engines, which is the world size.
         backend: the meshcomm backend of the world ("tcp" or "mpi").
         mesh_shape: the mesh built on every engine (``mesh``), or None.
@@ -159,11 +158,16 @@ class MeshCluster:
         if self.stopped:
             raise MeshCommError("this MeshCluster was stopped; start a new one")
 
-    def stop(self, timeout: Timeout = 60.0) -> None:
+    def stop(self, timeout: Timeout = 20.0) -> None:
         """Leave the meshcomm world on every engine, stop engines and controller. Idempotent.
 
-        Engines get ``_SHUTDOWN_TIMEOUT`` seconds to call ``meshcomm.shutdown()``; then the
-        cluster is stopped whatever they did, and the store this process served is closed.
+        Args:
+            timeout: seconds the engines get to call ``meshcomm.shutdown()``. Then the
+                cluster is stopped whatever they did (ipyparallel sends SIGTERM, then SIGKILL
+                after 5 s) and the store this process served is closed.
+
+        Example:
+            ``with start_cluster(2) as cluster: ...`` calls it at the end of the block.
         """
         server, self._server = self._server, None
         if server is None:
@@ -171,10 +175,10 @@ class MeshCluster:
         seconds = to_seconds(timeout)
         try:
             with contextlib.suppress(Exception):
-                self.view.apply_async(_engine_shutdown).get(timeout=min(_SHUTDOWN_TIMEOUT, seconds))
+                self.view.apply_async(_engine_shutdown).get(timeout=seconds)
             with contextlib.suppress(Exception):
                 self.client.close()
-            _stop_ipp_cluster(self.cluster, seconds)
+            _stop_ipp_cluster(self.cluster)
         finally:
             server.close()
 
@@ -295,7 +299,7 @@ def start_cluster(
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
-        _stop_ipp_cluster(cluster, 30.0)
+        _stop_ipp_cluster(cluster)
         server.close()
         raise
     mc = MeshCluster(
@@ -321,7 +325,7 @@ def _stop_at_exit(ref: weakref.ref[MeshCluster]) -> None:
     mc = ref()
     if mc is not None:
         with contextlib.suppress(Exception):
-            mc.stop(timeout=10.0)
+            mc.stop(timeout=5.0)
 
 
 def _check_mesh(
@@ -409,13 +413,13 @@ def _activate(view: Any) -> None:
         view.activate()
 
 
-def _stop_ipp_cluster(cluster: Any, seconds: float) -> None:
+def _stop_ipp_cluster(cluster: Any) -> None:
     """Stop engines and controller; fall back to killing what is left."""
     try:
         cluster.stop_cluster_sync()
     except Exception:
         with contextlib.suppress(Exception):
-            cluster.signal_engines_sync(9)
+            cluster.signal_engines_sync(signal.SIGKILL)
         with contextlib.suppress(Exception):
             cluster.stop_controller_sync()
 
