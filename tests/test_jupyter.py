@@ -14,9 +14,11 @@ import psutil
 import pytest
 from ipyparallel.error import CompositeError
 
-from meshcomm.errors import InvalidArgument, MeshCommError
+from meshcomm.errors import InvalidArgument, MeshCommError, RendezvousError
 from meshcomm.jupyter import MeshCluster, start_cluster
 from meshcomm.launch import detect_ipyparallel
+from meshcomm.rendezvous import rendezvous
+from meshcomm.store import HashStore
 
 # Generous bounds: a 2-core machine starts Python interpreters slowly.
 START_TIMEOUT = 150.0
@@ -123,6 +125,19 @@ def test_detect_ipyparallel_from_environment() -> None:
     )
     assert detect_ipyparallel({"IPP_NONINTERACTIVE": "1"}) is None
     assert detect_ipyparallel({}) is None
+
+
+def test_rendezvous_refuses_a_bare_engine_but_takes_explicit_ranks() -> None:
+    env = {"IPP_CLUSTER_ID": "1700000000-ab12"}
+    with pytest.raises(RendezvousError, match=r"ipyparallel engine \(cluster 1700000000-ab12\)"):
+        rendezvous(env=env, timeout=5)
+    rdzv = rendezvous(rank=0, world_size=1, store=HashStore(), env=env, timeout=5)
+    assert (rdzv.rank, rdzv.world_size) == (0, 1)
+    rdzv.close()
+    launched = {**env, "MESHCOMM_RANK": "0", "MESHCOMM_WORLD_SIZE": "1"}
+    rdzv = rendezvous(env=launched, timeout=5)  # a launcher's variables win
+    assert rdzv.launcher == "meshcomm"
+    rdzv.close()
 
 
 # -- bad arguments fail before anything starts -------------------------------------------------
