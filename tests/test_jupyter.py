@@ -273,6 +273,20 @@ def test_world_restarts_on_the_engines(cluster: MeshCluster) -> None:
     assert cluster.apply(my_coordinate, timeout=CALL_TIMEOUT) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_a_rank_failing_before_a_collective_is_named_by_the_others(ipython_dir: Path) -> None:
+    with start_cluster(2, mesh_shape=(2,), mesh_dim_names=("tp",), op_timeout=5) as mc:
+        with pytest.raises(CompositeError) as info:
+            mc.view.execute(
+                "if rank == 1:\n    raise ValueError('boom')\ny = ops.psum(np.ones(1), 'tp')",
+                block=False,
+            ).get(timeout=CALL_TIMEOUT)
+        errors = {entry[3]["engine_id"]: entry for entry in info.value.elist}
+        assert errors[1][:2] == ("ValueError", "boom")
+        assert errors[0][0] == "CommTimeout"
+        assert "rank 0: no progress for 5 s" in errors[0][1]
+        assert "rank 1" in errors[0][1].split("still waiting")[1]
+
+
 # -- stopping ---------------------------------------------------------------------------------
 
 
