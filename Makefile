@@ -18,8 +18,9 @@ $(VENV)/.core: pyproject.toml | $(PY)
 	$(PIP) install -e .
 	touch $@
 
-# Everything the suite needs: test tools, MPICH + mpi4py from PyPI, and torch 2.13.0 (CPU;
-# pinned first so no unpinned requirement can pull a CUDA build) for torchrun and compat tests.
+# Everything the suite needs: test tools (with ipyparallel and nbmake, which runs notebooks/),
+# MPICH + mpi4py from PyPI, and torch 2.13.0 (CPU; pinned first so no unpinned requirement can
+# pull a CUDA build) for torchrun, compat tests and the porting notebook.
 $(VENV)/.dev: pyproject.toml $(VENV)/.core
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test,mpi]"

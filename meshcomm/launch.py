@@ -10,6 +10,11 @@ mapping, so it is tested with plain dicts. Launchers, first match wins::
     slurm      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (only inside an ``srun`` step)
     single     none of the above: a world of one
 
+An ipyparallel engine (``IPP_CLUSTER_ID``, ``IPP_PROFILE_DIR``, ``IPP_CONNECTION_INFO``, or an
+engine id in the running kernel) is no launcher: it has no rank or world size of its own.
+:func:`detect_ipyparallel` recognises one, so that ``meshcomm.init()`` there says what it
+needs (``meshcomm.jupyter.start_cluster`` provides it) instead of making a world of one.
+
 The store address comes from ``MESHCOMM_MASTER_ADDR``/``MESHCOMM_MASTER_PORT``, then
 ``MASTER_ADDR``/``MASTER_PORT``, then (SLURM only) the first node of the step's node list.
 Who serves the store there (:attr:`LaunchInfo.store_host`) is rank 0, unless
@@ -46,9 +51,11 @@ __all__ = [
     "LaunchInfo",
     "check_port",
     "check_rank_size",
+    "detect_ipyparallel",
     "detect_launch",
     "expand_nodelist",
     "mpi_share_store_address",
+    "running_engine_id",
 ]
 
 #: Values of :attr:`LaunchInfo.store_host`: who serves the store at the master address.
@@ -332,6 +339,57 @@ def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
         return LaunchInfo(name, rank, size, local_rank, local_size, addr, port, store_host)
     addr, port = _master_from_env(env, None, None)
     return LaunchInfo("single", 0, 1, 0, 1, addr, port, store_host)
+
+
+#: Variables ipyparallel's launchers set in every engine they start.
+_IPP_VARS = ("IPP_CLUSTER_ID", "IPP_PROFILE_DIR", "IPP_CONNECTION_INFO")
+
+
+def detect_ipyparallel(env: Mapping[str, str], engine_id: int | None = None) -> str | None:
+    """Describe the ipyparallel engine this process is, or return None if it is none.
+
+    A pure function like :func:`detect_launch`; ``engine_id`` is the id of the running
+    engine kernel when the caller knows it (:func:`running_engine_id`).
+
+    Example:
+        >>> detect_ipyparallel({"IPP_CLUSTER_ID": "1700000000-ab12"}, engine_id=3)
+        'ipyparallel engine 3 (cluster 1700000000-ab12)'
+        >>> detect_ipyparallel({}) is None
+        True
+    """
+    present = [var for var in _IPP_VARS if env.get(var)]
+    if not present and engine_id is None:
+        return None
+    text = "ipyparallel engine" if engine_id is None else f"ipyparallel engine {engine_id}"
+    cluster = env.get("IPP_CLUSTER_ID")
+    if cluster:
+        return f"{text} (cluster {cluster})"
+    if present:
+        return f"{text} ({', '.join(present)} set)"
+    return text
+
+
+def running_engine_id() -> int | None:
+    """Return the engine id if this process runs an ipyparallel engine kernel, else None.
+
+    Looks only at modules already imported: it never imports IPython or ipyparallel.
+
+    Example:
+        >>> running_engine_id() is None  # a plain interpreter
+        True
+    """
+    import sys
+
+    if "ipyparallel" not in sys.modules or "IPython" not in sys.modules:
+        return None
+    try:
+        shell = sys.modules["IPython"].get_ipython()
+        engine_id = getattr(getattr(shell, "kernel", None), "engine_id", None)
+    except Exception:  # a half-initialised IPython is no engine we can name
+        return None
+    if isinstance(engine_id, int) and engine_id >= 0:
+        return engine_id
+    return None
 
 
 def _store_host(env: Mapping[str, str]) -> str:

@@ -43,8 +43,10 @@ from meshcomm.launch import (
     LaunchInfo,
     check_port,
     check_rank_size,
+    detect_ipyparallel,
     detect_launch,
     mpi_share_store_address,
+    running_engine_id,
 )
 
 if TYPE_CHECKING:
@@ -290,6 +292,8 @@ def rendezvous(
         method = parse_init_method("env://" if init_method is None else init_method)
         world_size = _merge(world_size, method.world_size, "world_size", init_method)
         rank = _merge(rank, method.rank, "rank", init_method)
+    if info.launcher == "single" and rank is None and world_size is None:
+        _refuse_bare_engine(env)
     me = _identity(rank, world_size, info)
     deadline = time.monotonic() + seconds
     if method is None:
@@ -342,6 +346,21 @@ def _check_given_store(
             f"with an explicit store, rank and world_size are required "
             f"(got rank={rank!r}, world_size={world_size!r})"
         )
+
+
+def _refuse_bare_engine(env: Mapping[str, str]) -> None:
+    """An ipyparallel engine with no rank is one of many: a world of one would be wrong."""
+    engine = detect_ipyparallel(env, running_engine_id())
+    if engine is None:
+        return
+    raise RendezvousError(
+        f"meshcomm.init() runs in an {engine}, but nothing gave this engine a rank and a world "
+        "size, so it cannot tell which rank it is. Start the engines with "
+        "meshcomm.jupyter.start_cluster(n=...), which gives every engine its rank and the "
+        "rendezvous address and calls meshcomm.init() on each; or set MESHCOMM_RANK, "
+        "MESHCOMM_WORLD_SIZE, MESHCOMM_MASTER_ADDR and MESHCOMM_MASTER_PORT on every engine "
+        "(or pass rank=, world_size= and init_method='tcp://HOST:PORT' to meshcomm.init())"
+    )
 
 
 def _identity(rank: int | None, world_size: int | None, info: LaunchInfo) -> LaunchInfo:
