@@ -31,7 +31,7 @@ import numpy as np
 
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["address_of", "cma_available", "cma_enabled", "read_into", "read_word"]
+__all__ = ["address_of", "cma_available", "cma_enabled", "read_at", "read_into", "read_word"]
 
 # One call moves at most this much: the kernel stops at about 2 GiB per call anyway, and
 # pieces of this size keep the copy cache-friendly.
@@ -135,18 +135,30 @@ def read_into(pid: int, dest: memoryview, remote: int) -> None:
         OSError: the kernel refused or the peer is gone (``errno`` says which: ``ESRCH``
             for a process that no longer exists, ``EFAULT`` for a bad address, ``EPERM``).
     """
+    total = len(dest)
+    if total:
+        read_at(pid, address_of(dest), total, remote)
+
+
+def read_at(pid: int, local: int, nbytes: int, remote: int) -> None:
+    """Copy ``nbytes`` at address ``remote`` of process ``pid`` to our address ``local``.
+
+    The caller vouches that ``[local, local + nbytes)`` is writable memory it owns (the
+    address of a live numpy array, say); :func:`read_into` is the checked form.
+
+    Raises:
+        OSError: as :func:`read_into`.
+    """
     fn = _readv()
     if fn is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available")
-    total = len(dest)
-    if not total:
+    if not nbytes:
         return
-    local = address_of(dest)
-    _populate(local, total)
+    _populate(local, nbytes)
     done = 0
     liov, riov = _IoVec(), _IoVec()
-    while done < total:
-        want = min(total - done, _PIECE)
+    while done < nbytes:
+        want = min(nbytes - done, _PIECE)
         liov.iov_base, liov.iov_len = local + done, want
         riov.iov_base, riov.iov_len = remote + done, want
         got = fn(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)

@@ -1,0 +1,295 @@
+"""Same-host collectives in two or three rounds: each rank reads its peers' buffers directly.
+
+When every member of a communicator is a shared-memory peer whose memory this process can
+read with ``process_vm_readv`` (and that can read ours), large collectives skip the
+step-by-step algorithms of :mod:`meshcomm.backends.algorithms`. Ranks publish the addresses
+of their buffers to each other (one round of 16-byte messages through the rings) and then
+copy what they need straight out of each other's memory:
+
+* ``all_reduce``: rank r reduces block r of the result, reading block r of every peer's input
+  piece by piece into a cache-sized scratch (one copy) and combining it into its own result;
+  after a round that says every block is reduced, it reads every peer's reduced block
+  straight into its result; a last round says nobody reads anybody's buffers any more.
+  Three rounds whatever the world size, against ``2(n-1)`` dependent steps for the ring:
+  with more ranks than cores, each step of a ring waits for a descheduled peer.
+* ``reduce_scatter``: the first half of that (two rounds).
+* ``all_gather``: rank r reads every peer's input into its result (two rounds).
+* ``broadcast``: the root publishes its address, every other rank reads the buffer and
+  tells the root it is done (one message each way).
+
+Every member must choose this path for the same call, so the choice depends only on the
+size (the same on every rank) and on a verdict agreed once per communicator: the first call
+that could use it sends a message to every member (which sets up every pair's channel) and
+then shares each rank's local verdict with every member; the path is used only if every
+rank can read every other rank. Anything else (sockets, a kernel that refuses
+``process_vm_readv``) keeps the step-by-step algorithms.
+
+Buffers stay alive and unchanged while peers may read them: a rank returns only after the
+last round, which every peer enters after its last read. A peer that dies makes the next
+read fail with ``ESRCH`` or the next round see its EOF: :class:`~meshcomm.errors.PeerError`
+naming it. A frozen peer makes a round time out.
+
+Knobs: ``MESHCOMM_SHM_DIRECT_MIN`` (bytes; the smallest size that takes this path, per
+collective as :func:`direct_min` says; ``0`` or negative: never), read once at import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meshcomm.backends.algorithms._common import block_bounds, combine_into
+from meshcomm.errors import InvalidArgument
+from meshcomm.reduction import ReduceOp
+
+if TYPE_CHECKING:
+    from meshcomm.backends.tcp.link import TcpLink
+
+__all__ = ["DIRECT_MIN_BYTES", "PIECE_BYTES", "Direct", "direct_min"]
+
+#: The smallest buffer (all_reduce, broadcast), result (all_gather) or input (reduce_scatter)
+#: that takes the direct path, by world size; below it the step-by-step algorithms win (a
+#: round through the rings costs about as much as a small exchange).
+DIRECT_MIN_BYTES = {2: 256 << 10, 3: 64 << 10}
+#: Default for world sizes not in ``DIRECT_MIN_BYTES``.
+DIRECT_MIN_DEFAULT = 64 << 10
+#: Reductions read peers' blocks in pieces of this size, so the piece and the part of the
+#: result it folds into stay in the core's cache between the copy and the combine.
+PIECE_BYTES = 256 << 10
+
+_PRIMITIVE = frozenset(
+    (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+     ReduceOp.BXOR)
+)  # fmt: skip
+
+
+def _env_min() -> int | None:
+    raw = os.environ.get("MESHCOMM_SHM_DIRECT_MIN", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidArgument(
+            f"MESHCOMM_SHM_DIRECT_MIN must be an integer number of bytes, got {raw!r}"
+        ) from None
+    return value if value > 0 else -1
+
+
+_ENV_MIN = _env_min()
+
+
+def direct_min(size: int) -> int:
+    """The smallest size (bytes) that takes the direct path on ``size`` ranks; -1: never.
+
+    Example:
+        >>> direct_min(4) > 0
+        True
+    """
+    if _ENV_MIN is not None:
+        return _ENV_MIN
+    return DIRECT_MIN_BYTES.get(size, DIRECT_MIN_DEFAULT)
+
+
+def _op_ok(op: object, dtype: np.dtype) -> bool:
+    if op not in _PRIMITIVE:
+        return False
+    kind = dtype.kind
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        return kind != "c"
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        return kind in "biu"
+    return True
+
+
+def _flat(arr: object, writable: bool) -> bool:
+    return (
+        isinstance(arr, np.ndarray)
+        and arr.ndim == 1
+        and arr.flags.c_contiguous
+        and (arr.flags.writeable or not writable)
+    )
+
+
+class Direct:
+    """The direct collectives of one communicator (see the module docstring).
+
+    Methods return False, having done nothing, when the call should take the step-by-step
+    algorithms instead: a size below :func:`direct_min`, a world where some pair cannot read
+    each other, or arguments that are not well formed (the algorithms then raise the error).
+
+    Args:
+        link: the communicator's link.
+    """
+
+    def __init__(self, link: TcpLink) -> None:
+        self.link = link
+        self.rank = link.rank
+        self.size = link.size
+        self.min_bytes = direct_min(link.size) if link.size > 1 else -1
+        self._verdict: bool | None = None
+        self._order = [(link.rank + k) % link.size for k in range(1, link.size)]
+        self._global = link.global_ranks
+        self._read = link.transport.read_peer
+        self._token = np.zeros(1, np.uint64)
+        self._scratch = np.empty(0, np.uint8)
+
+    # -- choice ----------------------------------------------------------------------------
+    def _wanted(self, nbytes: int) -> bool:
+        if self.min_bytes < 0 or nbytes < self.min_bytes or nbytes == 0:
+            return False
+        if self._verdict is None:
+            self._verdict = self._agree()
+        return self._verdict
+
+    def _agree(self) -> bool:
+        # The first round opens every pair's channel (shared memory is set up, or not, before
+        # a pair's first message moves); then every rank says what it found.
+        self._round(self._token)
+        peers = [self._global[j] for j in self._order]
+        mine = np.array([self.link.transport.reads_all(peers)], np.uint64)
+        return bool(self._round(mine).all())
+
+    # -- rounds ----------------------------------------------------------------------------
+    def _round(self, mine: np.ndarray) -> np.ndarray:
+        """Send ``mine`` to every member and return every member's, by rank."""
+        out = np.empty((self.size, mine.size), mine.dtype)
+        out[self.rank] = mine
+        order = self._order
+        self.link.exchange([(j, mine) for j in order], [(j, out[j]) for j in order])
+        return out
+
+    def _piece(self, dtype: np.dtype) -> tuple[np.ndarray, int]:
+        step = max(1, PIECE_BYTES // dtype.itemsize)
+        nbytes = step * dtype.itemsize
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        tmp = self._scratch[:nbytes].view(dtype)
+        return tmp, step
+
+    def _reduce_block(
+        self,
+        op: ReduceOp,
+        own: np.ndarray,
+        out: np.ndarray,
+        peer_addrs: Sequence[int],
+        offset: int,
+    ) -> None:
+        """``out = op(own, the same elements of every peer)``; the peers' elements start at
+        byte ``offset`` of the buffers at ``peer_addrs`` (by rank)."""
+        count = out.size
+        if not count:
+            return
+        item = out.itemsize
+        tmp, step = self._piece(out.dtype)
+        tmp_addr = tmp.ctypes.data
+        read, g = self._read, self._global
+        for lo in range(0, count, step):
+            hi = min(count, lo + step)
+            m = hi - lo
+            t = tmp[:m]
+            acc = out[lo:hi]
+            first = own[lo:hi]
+            for j in self._order:
+                read(g[j], tmp_addr, m * item, peer_addrs[j] + offset + lo * item)
+                combine_into(op, first, t, acc)
+                first = acc
+
+    # -- collectives -----------------------------------------------------------------------
+    def all_reduce(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
+        """Reduce ``send`` into ``recv`` (``send`` may be ``recv``); False: not taken."""
+        if not (
+            _flat(recv, True)
+            and _flat(send, False)
+            and send.dtype == recv.dtype
+            and send.size == recv.size
+            and _op_ok(op, recv.dtype)
+            and self._wanted(recv.nbytes)
+        ):
+            return False
+        if send is not recv and np.may_share_memory(send, recv):
+            send = send.copy()
+        n, r, item = self.size, self.rank, recv.itemsize
+        recv_addr = recv.ctypes.data
+        addrs = self._round(np.array([send.ctypes.data, recv_addr], np.uint64)).tolist()
+        bounds = block_bounds(recv.size, n)
+        lo, hi = bounds[r], bounds[r + 1]
+        self._reduce_block(op, send[lo:hi], recv[lo:hi], [a[0] for a in addrs], lo * item)
+        self._round(self._token)  # every block is reduced
+        read, g = self._read, self._global
+        for j in self._order:
+            jlo, jhi = bounds[j], bounds[j + 1]
+            if jhi > jlo:
+                read(g[j], recv_addr + jlo * item, (jhi - jlo) * item, addrs[j][1] + jlo * item)
+        self._round(self._token)  # nobody reads our buffers any more
+        return True
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
+        """Block r of the reduction of every ``send`` into rank r's ``recv``; False: not taken."""
+        if not (
+            _flat(recv, True)
+            and _flat(send, False)
+            and send.dtype == recv.dtype
+            and send.size == self.size * recv.size
+            and _op_ok(op, recv.dtype)
+            and self._wanted(send.nbytes)
+        ):
+            return False
+        if np.may_share_memory(send, recv):
+            send = send.copy()
+        m, r = recv.size, self.rank
+        addrs = self._round(np.array([send.ctypes.data], np.uint64)).tolist()
+        own = send[r * m : (r + 1) * m]
+        self._reduce_block(op, own, recv, [a[0] for a in addrs], r * m * recv.itemsize)
+        self._round(self._token)  # nobody reads our input any more
+        return True
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> bool:
+        """Every rank's ``send`` into every ``recv``, by rank; False: not taken."""
+        if not (
+            _flat(recv, True)
+            and _flat(send, False)
+            and send.dtype == recv.dtype
+            and recv.size == self.size * send.size
+            and self._wanted(recv.nbytes)
+        ):
+            return False
+        nbytes = send.nbytes
+        recv_addr = recv.ctypes.data
+        mine = recv_addr + self.rank * nbytes
+        if send.ctypes.data != mine and np.may_share_memory(send, recv):
+            send = send.copy()
+        addrs = self._round(np.array([send.ctypes.data], np.uint64)).tolist()
+        if send.ctypes.data != mine:
+            recv[self.rank * send.size : (self.rank + 1) * send.size] = send
+        read, g = self._read, self._global
+        for j in self._order:
+            read(g[j], recv_addr + j * nbytes, nbytes, addrs[j][0])
+        self._round(self._token)  # nobody reads our input any more
+        return True
+
+    def broadcast(self, buf: np.ndarray, root: int) -> bool:
+        """Root's ``buf`` into every rank's ``buf``; False: not taken."""
+        if not (
+            _flat(buf, True)
+            and isinstance(root, int)
+            and not isinstance(root, bool)
+            and 0 <= root < self.size
+            and self._wanted(buf.nbytes)
+        ):
+            return False
+        link = self.link
+        if self.rank == root:
+            others = self._order
+            done = np.empty((self.size, 1), np.uint64)
+            address = np.array([buf.ctypes.data], np.uint64)
+            link.exchange([(j, address) for j in others], [(j, done[j]) for j in others])
+            return True
+        address = np.empty(1, np.uint64)
+        link.exchange([], [(root, address)])
+        self._read(self._global[root], buf.ctypes.data, buf.nbytes, int(address[0]))
+        link.exchange([(root, self._token)], [])
+        return True
