@@ -53,9 +53,9 @@ __all__ = ["DIRECT_MIN_BYTES", "PIECE_BYTES", "Direct", "direct_min"]
 #: The smallest buffer (all_reduce, broadcast), result (all_gather) or input (reduce_scatter)
 #: that takes the direct path, by world size; below it the step-by-step algorithms win (a
 #: round through the rings costs about as much as a small exchange).
-DIRECT_MIN_BYTES = {2: 256 << 10, 3: 64 << 10}
+DIRECT_MIN_BYTES: dict[int, int] = {}
 #: Default for world sizes not in ``DIRECT_MIN_BYTES``.
-DIRECT_MIN_DEFAULT = 64 << 10
+DIRECT_MIN_DEFAULT = 256 << 10
 #: Reductions read peers' blocks in pieces of this size, so the piece and the part of the
 #: result it folds into stay in the core's cache between the copy and the combine.
 PIECE_BYTES = 256 << 10
@@ -134,7 +134,9 @@ class Direct:
         self._order = [(link.rank + k) % link.size for k in range(1, link.size)]
         self._global = link.global_ranks
         self._read = link.transport.read_peer
+        self._write = link.transport.write_peer
         self._token = np.zeros(1, np.uint64)
+        self._probe = np.zeros(1, np.uint64)  # peers write here to see that they can
         self._scratch = np.empty(0, np.uint8)
 
     # -- choice ----------------------------------------------------------------------------
@@ -147,11 +149,16 @@ class Direct:
 
     def _agree(self) -> bool:
         # The first round opens every pair's channel (shared memory is set up, or not, before
-        # a pair's first message moves); then every rank says what it found.
-        self._round(self._token)
-        peers = [self._global[j] for j in self._order]
-        mine = np.array([self.link.transport.reads_all(peers)], np.uint64)
-        return bool(self._round(mine).all())
+        # a pair's first message moves) and tells every rank where to probe writing to us;
+        # then every rank says what it found.
+        transport = self.link.transport
+        probes = self._round(np.array([self._probe.ctypes.data], np.uint64)).tolist()
+        ok = transport.reads_all(self._global[j] for j in self._order)
+        source = self._token.ctypes.data
+        for j in self._order:
+            ok = ok and transport.writes_to(self._global[j], probes[j][0], 8, source)
+        verdict = bool(self._round(np.array([ok], np.uint64)).all())
+        return verdict
 
     # -- rounds ----------------------------------------------------------------------------
     def _round(self, mine: np.ndarray) -> np.ndarray:
@@ -177,26 +184,34 @@ class Direct:
         out: np.ndarray,
         peer_addrs: Sequence[int],
         offset: int,
+        spread: Sequence[int] | None = None,
     ) -> None:
         """``out = op(own, the same elements of every peer)``; the peers' elements start at
-        byte ``offset`` of the buffers at ``peer_addrs`` (by rank)."""
+        byte ``offset`` of the buffers at ``peer_addrs`` (by rank). With ``spread``, each
+        reduced piece is also written at the same offset of the buffers at ``spread`` (by
+        rank) while it is still in the cache."""
         count = out.size
         if not count:
             return
         item = out.itemsize
         tmp, step = self._piece(out.dtype)
         tmp_addr = tmp.ctypes.data
-        read, g = self._read, self._global
+        out_addr = out.ctypes.data
+        read, write, g, order = self._read, self._write, self._global, self._order
         for lo in range(0, count, step):
             hi = min(count, lo + step)
             m = hi - lo
             t = tmp[:m]
             acc = out[lo:hi]
             first = own[lo:hi]
-            for j in self._order:
-                read(g[j], tmp_addr, m * item, peer_addrs[j] + offset + lo * item)
+            at = offset + lo * item
+            for j in order:
+                read(g[j], tmp_addr, m * item, peer_addrs[j] + at)
                 combine_into(op, first, t, acc)
                 first = acc
+            if spread is not None:
+                for j in order:
+                    write(g[j], spread[j] + at, m * item, out_addr + lo * item)
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
@@ -212,19 +227,20 @@ class Direct:
             return False
         if send is not recv and np.may_share_memory(send, recv):
             send = send.copy()
-        n, r, item = self.size, self.rank, recv.itemsize
-        recv_addr = recv.ctypes.data
-        addrs = self._round(np.array([send.ctypes.data, recv_addr], np.uint64)).tolist()
+        n, r = self.size, self.rank
+        addrs = self._round(np.array([send.ctypes.data, recv.ctypes.data], np.uint64)).tolist()
         bounds = block_bounds(recv.size, n)
         lo, hi = bounds[r], bounds[r + 1]
-        self._reduce_block(op, send[lo:hi], recv[lo:hi], [a[0] for a in addrs], lo * item)
-        self._round(self._token)  # every block is reduced
-        read, g = self._read, self._global
-        for j in self._order:
-            jlo, jhi = bounds[j], bounds[j + 1]
-            if jhi > jlo:
-                read(g[j], recv_addr + jlo * item, (jhi - jlo) * item, addrs[j][1] + jlo * item)
-        self._round(self._token)  # nobody reads our buffers any more
+        self._reduce_block(
+            op,
+            send[lo:hi],
+            recv[lo:hi],
+            [a[0] for a in addrs],
+            lo * recv.itemsize,
+            spread=[a[1] for a in addrs],
+        )
+        # Every peer has written its block into our result and read its block of our input.
+        self._round(self._token)
         return True
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:

@@ -190,15 +190,38 @@ class ShmEngine(Connections):
 
         Raises:
             PeerError: the peer's process is gone (names it).
-            ProtocolError: the kernel refused the read (a bad address: the ranks disagree).
+            ProtocolError: the kernel refused (a bad address: the ranks disagree).
         """
+        self._peer_copy(False, peer, local, nbytes, remote)
+
+    def write_peer(self, peer: int, remote: int, nbytes: int, local: int) -> None:
+        """Copy ``nbytes`` at our address ``local`` to address ``remote`` of same-host ``peer``
+        (the peer published the range for this); errors as :meth:`read_peer`."""
+        self._peer_copy(True, peer, local, nbytes, remote)
+
+    def writes_to(self, peer: int, remote: int, nbytes: int, local: int) -> bool:
+        """Probe :meth:`write_peer` (a range the peer gave for it): False where refused."""
+        sp = self._shm.get(peer)
+        if sp is None:
+            return False
+        try:
+            cma.write_at(sp.pid, remote, nbytes, local)
+        except OSError:
+            return False
+        return True
+
+    def _peer_copy(self, write: bool, peer: int, local: int, nbytes: int, remote: int) -> None:
+        what = "write" if write else "read"
         sp = self._shm.get(peer)
         error: CommError
         if sp is None:
             error = ProtocolError(f"rank {self.rank}: rank {peer} is not a shared-memory peer")
         else:
             try:
-                cma.read_at(sp.pid, local, nbytes, remote)
+                if write:
+                    cma.write_at(sp.pid, remote, nbytes, local)
+                else:
+                    cma.read_at(sp.pid, local, nbytes, remote)
                 return
             except OSError as exc:
                 if exc.errno == errno.ESRCH:
@@ -207,7 +230,7 @@ class ShmEngine(Connections):
                     error = PeerError(f"rank {self.rank}: peer {reason}", peer)
                 else:
                     error = ProtocolError(
-                        f"rank {self.rank}: cannot read {nbytes} bytes of rank {peer} at "
+                        f"rank {self.rank}: cannot {what} {nbytes} bytes of rank {peer} at "
                         f"{remote:#x}: {exc}"
                     )
         self._break(error)
