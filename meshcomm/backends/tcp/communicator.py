@@ -188,6 +188,15 @@ class TcpCommunicator(Communicator):
         if not self._direct.broadcast(buf, root):
             algorithms.broadcast(self.link, buf, root)
 
+    def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        """Root's ``send`` into every rank's ``recv`` (root's too); ``send`` is read only on
+        root, where peers may read it while root copies it into its own ``recv``."""
+        self._check("broadcast")
+        if send is None or not self._direct.broadcast(recv, root, send=send):
+            if send is not None and self.rank == root:
+                np.copyto(recv, send)
+            algorithms.broadcast(self.link, recv, root)
+
     def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._check("reduce")
         algorithms.reduce(self.link, buf, root, op)

@@ -1,17 +1,20 @@
-"""Same-host collectives in two or three rounds: each rank reads its peers' buffers directly.
+"""Same-host collectives in one or two rounds: ranks copy straight between each other's buffers.
 
 When every member of a communicator is a shared-memory peer whose memory this process can
-read with ``process_vm_readv`` (and that can read ours), large collectives skip the
-step-by-step algorithms of :mod:`meshcomm.backends.algorithms`. Ranks publish the addresses
-of their buffers to each other (one round of 16-byte messages through the rings) and then
-copy what they need straight out of each other's memory:
+read and write with ``process_vm_readv`` / ``process_vm_writev`` (and that can do the same to
+ours), large collectives skip the step-by-step algorithms of
+:mod:`meshcomm.backends.algorithms`. Ranks publish the addresses of their buffers to each
+other (one round of 8- or 16-byte messages through the rings) and then copy what they need
+straight out of (or into) each other's memory:
 
-* ``all_reduce``: rank r reduces block r of the result, reading block r of every peer's input
-  piece by piece into a cache-sized scratch (one copy) and combining it into its own result;
-  after a round that says every block is reduced, it reads every peer's reduced block
-  straight into its result; a last round says nobody reads anybody's buffers any more.
-  Three rounds whatever the world size, against ``2(n-1)`` dependent steps for the ring:
-  with more ranks than cores, each step of a ring waits for a descheduled peer.
+* ``all_reduce``: rank r owns block r of the result. It reads block r of every peer's input,
+  piece by piece (``PIECE_BYTES``), into a scratch piece that stays in the core's cache,
+  folds it into its own result, and writes each finished piece into every peer's result
+  while it is still in the cache. A second round says every block has been written (and
+  every input read). Two rounds whatever the world size, against ``2(n-1)`` dependent steps
+  for the ring: with more ranks than cores, each step of a ring waits for a descheduled
+  peer. Per rank, ``(n-1)/n`` of the buffer is read and ``(n-1)/n`` written once, as in the
+  ring, but with no copy through the rings and no pipeline to fill.
 * ``reduce_scatter``: the first half of that (two rounds).
 * ``all_gather``: rank r reads every peer's input into its result (two rounds).
 * ``broadcast``: the root publishes its address, every other rank reads the buffer and
@@ -19,18 +22,20 @@ copy what they need straight out of each other's memory:
 
 Every member must choose this path for the same call, so the choice depends only on the
 size (the same on every rank) and on a verdict agreed once per communicator: the first call
-that could use it sends a message to every member (which sets up every pair's channel) and
-then shares each rank's local verdict with every member; the path is used only if every
-rank can read every other rank. Anything else (sockets, a kernel that refuses
-``process_vm_readv``) keeps the step-by-step algorithms.
+that could use it sends a message to every member (which sets up every pair's channel, and
+carries the address of a word the peers write to as a probe), then every rank tells every
+member whether it could read and write every peer. The path is used only if all could.
+Anything else (sockets, a kernel or seccomp filter that refuses either call) keeps the
+step-by-step algorithms, on every rank.
 
-Buffers stay alive and unchanged while peers may read them: a rank returns only after the
-last round, which every peer enters after its last read. A peer that dies makes the next
-read fail with ``ESRCH`` or the next round see its EOF: :class:`~meshcomm.errors.PeerError`
-naming it. A frozen peer makes a round time out.
+Buffers stay alive and unchanged while peers may touch them: a rank returns only after the
+last round, which every peer enters after its last copy. Only rank r ever reads or writes
+block r of anybody's buffers during an ``all_reduce``, so in-place calls are safe. A peer
+that dies makes the next copy fail with ``ESRCH`` or the next round see its EOF:
+:class:`~meshcomm.errors.PeerError` naming it. A frozen peer makes a round time out.
 
-Knobs: ``MESHCOMM_SHM_DIRECT_MIN`` (bytes; the smallest size that takes this path, per
-collective as :func:`direct_min` says; ``0`` or negative: never), read once at import.
+Knob: ``MESHCOMM_SHM_DIRECT_MIN`` (bytes; the smallest size that takes this path, see
+:func:`direct_min`; ``0`` or negative: never), read once at import.
 """
 
 from __future__ import annotations
@@ -51,11 +56,11 @@ if TYPE_CHECKING:
 __all__ = ["DIRECT_MIN_BYTES", "PIECE_BYTES", "Direct", "direct_min"]
 
 #: The smallest buffer (all_reduce, broadcast), result (all_gather) or input (reduce_scatter)
-#: that takes the direct path, by world size; below it the step-by-step algorithms win (a
-#: round through the rings costs about as much as a small exchange).
-DIRECT_MIN_BYTES: dict[int, int] = {}
-#: Default for world sizes not in ``DIRECT_MIN_BYTES``.
-DIRECT_MIN_DEFAULT = 256 << 10
+#: that takes the direct path. Below it the step-by-step algorithms win: at 4 ranks on 2 cores
+#: an all-to-all round costs about as much as two pairwise steps, and the small algorithms
+#: need few steps (measured on the 2-core VM at 2 and 4 ranks: the crossover lies between
+#: 128 and 512 KiB for every collective, noisily).
+DIRECT_MIN_BYTES = 256 << 10
 #: Reductions read peers' blocks in pieces of this size, so the piece and the part of the
 #: result it folds into stay in the core's cache between the copy and the combine.
 PIECE_BYTES = 256 << 10
@@ -86,12 +91,12 @@ def direct_min(size: int) -> int:
     """The smallest size (bytes) that takes the direct path on ``size`` ranks; -1: never.
 
     Example:
-        >>> direct_min(4) > 0
-        True
+        >>> direct_min(4) > 0, direct_min(1)
+        (True, -1)
     """
-    if _ENV_MIN is not None:
-        return _ENV_MIN
-    return DIRECT_MIN_BYTES.get(size, DIRECT_MIN_DEFAULT)
+    if size < 2:
+        return -1
+    return DIRECT_MIN_BYTES if _ENV_MIN is None else _ENV_MIN
 
 
 def _op_ok(op: object, dtype: np.dtype) -> bool:
@@ -129,7 +134,7 @@ class Direct:
         self.link = link
         self.rank = link.rank
         self.size = link.size
-        self.min_bytes = direct_min(link.size) if link.size > 1 else -1
+        self.min_bytes = direct_min(link.size)
         self._verdict: bool | None = None
         self._order = [(link.rank + k) % link.size for k in range(1, link.size)]
         self._global = link.global_ranks
@@ -287,22 +292,37 @@ class Direct:
         self._round(self._token)  # nobody reads our input any more
         return True
 
-    def broadcast(self, buf: np.ndarray, root: int) -> bool:
-        """Root's ``buf`` into every rank's ``buf``; False: not taken."""
+    def broadcast(self, buf: np.ndarray, root: int, send: np.ndarray | None = None) -> bool:
+        """Root's ``buf`` into every rank's ``buf``; False: not taken.
+
+        With ``send`` on root, peers read ``send`` while root copies it into its ``buf``.
+        """
         if not (
             _flat(buf, True)
             and isinstance(root, int)
             and not isinstance(root, bool)
             and 0 <= root < self.size
+            and (
+                send is None
+                or self.rank != root
+                or (_flat(send, False) and send.dtype == buf.dtype and send.size == buf.size)
+            )
             and self._wanted(buf.nbytes)
         ):
             return False
         link = self.link
         if self.rank == root:
             others = self._order
+            source = buf if send is None else send
+            if source is not buf and np.may_share_memory(source, buf):
+                np.copyto(buf, source)  # peers must not read what we are overwriting
+                source = buf
+            address = np.array([source.ctypes.data], np.uint64)
+            link.exchange([(j, address) for j in others], [])
+            if source is not buf:
+                np.copyto(buf, source)
             done = np.empty((self.size, 1), np.uint64)
-            address = np.array([buf.ctypes.data], np.uint64)
-            link.exchange([(j, address) for j in others], [(j, done[j]) for j in others])
+            link.exchange([], [(j, done[j]) for j in others])
             return True
         address = np.empty(1, np.uint64)
         link.exchange([], [(root, address)])
