@@ -59,7 +59,7 @@ __all__ = ["DIRECT_MIN_BYTES", "PIECE_BYTES", "Direct", "direct_min"]
 #: that takes the direct path. Below it the step-by-step algorithms win: at 4 ranks on 2 cores
 #: an all-to-all round costs about as much as two pairwise steps, and the small algorithms
 #: need few steps (measured on the 2-core VM at 2 and 4 ranks: the crossover lies between
-#: 128 and 512 KiB for every collective, noisily).
+#: 128 KiB and 1 MiB for these collectives, noisily).
 DIRECT_MIN_BYTES = 256 << 10
 #: Reductions read peers' blocks in pieces of this size, so the piece and the part of the
 #: result it folds into stay in the core's cache between the copy and the combine.
