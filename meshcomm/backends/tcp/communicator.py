@@ -192,8 +192,26 @@ class TcpCommunicator(Communicator):
         """Root's ``send`` into every rank's ``recv`` (root's too); ``send`` is read only on
         root, where peers may read it while root copies it into its own ``recv``."""
         self._check("broadcast")
-        if send is None or not self._direct.broadcast(recv, root, send=send):
-            if send is not None and self.rank == root:
+        if self.rank != root:
+            send = None
+        elif send is not None and not (
+            isinstance(send, np.ndarray)
+            and isinstance(recv, np.ndarray)
+            and send.ndim == 1
+            and send.flags.c_contiguous
+            and send.dtype == recv.dtype
+            and send.size == recv.size
+        ):
+            raise InvalidArgument(
+                f"rank {self.global_ranks[self.rank]}: broadcast_out send must be a flat "
+                f"C-contiguous array like recv, got {getattr(send, 'dtype', type(send))} "
+                f"{getattr(send, 'shape', '')} and {getattr(recv, 'dtype', type(recv))} "
+                f"{getattr(recv, 'shape', '')}"
+            )
+        # Every rank makes the same choice: the direct path looks at the sizes and the
+        # communicator's verdict, never at whether this rank has a send buffer.
+        if not self._direct.broadcast(recv, root, send=send):
+            if send is not None:
                 np.copyto(recv, send)
             algorithms.broadcast(self.link, recv, root)
 
