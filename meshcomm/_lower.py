@@ -90,9 +90,20 @@ class Call:
         size: ``comm.size``.
         all_reduce_out: the communicator's out-of-place ``all_reduce_out(send, recv, op)``
             when it has one (it reads the input where it lies: no snapshot copy), else None.
+        broadcast_out: likewise ``broadcast_out(send, recv, root)``: root's ``send`` into
+            every rank's ``recv`` (root's too), ``send`` ignored off root; or None.
     """
 
-    __slots__ = ("all_reduce_out", "comm", "pool", "rank", "results", "size", "where")
+    __slots__ = (
+        "all_reduce_out",
+        "broadcast_out",
+        "comm",
+        "pool",
+        "rank",
+        "results",
+        "size",
+        "where",
+    )
 
     def __init__(
         self,
@@ -109,6 +120,9 @@ class Call:
         self.size = comm.size
         self.all_reduce_out: Callable[[np.ndarray, np.ndarray, ReduceOp], None] | None = getattr(
             comm, "all_reduce_out", None
+        )
+        self.broadcast_out: Callable[[np.ndarray | None, np.ndarray, int], None] | None = getattr(
+            comm, "broadcast_out", None
         )
 
 
@@ -420,21 +434,44 @@ def all_to_all(
     return body, fp
 
 
-def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any) -> Lowered:
+def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool = True) -> Lowered:
+    """Lower ``broadcast``; ``snapshot=False`` (a synchronous call) may read root's ``x`` in place.
+
+    On a communicator with ``broadcast_out``, a synchronous root whose input is flat-able
+    hands it over as is: the communicator sends from it and fills root's result at the same
+    time, instead of copying it into the result before anything moves.
+    """
     r = rank_arg(c, root, "root")
     buf: np.ndarray | None = None
+    send: np.ndarray | None = None
     if x is not None:
         arr, dt = _input(c, x)
         _agree(c, arr.shape, dt, shape, dtype)
         out_shape = arr.shape
         if r == c.rank:
-            buf = copy_into(c.results.take(dt, arr.size), arr)
+            if (
+                c.broadcast_out is not None
+                and not snapshot
+                and arr.flags.c_contiguous
+                and arr.dtype == dt
+            ):
+                send = arr.reshape(-1)
+            else:
+                buf = copy_into(c.results.take(dt, arr.size), arr)
     elif r == c.rank:
         raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
     else:
         out_shape, dt = _spec(c, shape, dtype)
     result = c.results.take(dt, _prod(out_shape)) if buf is None else buf
     comm = c.comm
+    out = c.broadcast_out
+    if send is not None and out is not None:
+
+        def body_out_of_place() -> np.ndarray:
+            out(send, result, r)
+            return result.reshape(out_shape)
+
+        return body_out_of_place, {"dtype": dt, "shape": out_shape, "root": r}
 
     def body() -> np.ndarray:
         comm.broadcast(result, r)

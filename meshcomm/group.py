@@ -13,8 +13,9 @@ the caller may reuse it at once); that copy is also the layout transform the com
 needs. A synchronous call reads an input that is already in the communicator's layout
 (C-contiguous, native byte order, rank blocks in order) where it lies: the caller waits, so
 the input cannot change under it. That covers the send side of every collective that only
-reads its input, and ``all_reduce`` on a communicator with ``all_reduce_out`` (the reduction
-then writes straight into the result); the others copy the input into the result first.
+reads its input, ``all_reduce`` on a communicator with ``all_reduce_out`` (the reduction
+then writes straight into the result) and root's ``broadcast`` on one with ``broadcast_out``;
+the others copy the input into the result first.
 Allocations per call: the result (it belongs to the caller; the communicator writes straight
 into it wherever the layout allows), taken from a per-world
 :class:`~meshcomm._arrays.ResultPool` that recycles large result buffers once the caller
@@ -437,7 +438,8 @@ class ProcessGroup:
         """
         c = self._enter("broadcast")
         x, dev = _staging.to_host(x)
-        return self._issue("broadcast", _lower.broadcast(c, x, root, shape, dtype), async_op, dev)
+        lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
+        return self._issue("broadcast", lowered, async_op, dev)
 
     def reduce(
         self,

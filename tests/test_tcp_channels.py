@@ -181,6 +181,61 @@ def workout(comm: TcpCommunicator) -> dict[str, Any]:
 ALL_OK = {"pairs": True, "ring_small": True, "ring_large": True, "collectives": True}
 
 
+def direct_workout(comm: TcpCommunicator) -> dict[str, Any]:
+    """Large collectives (several reduction pieces per block, counts the world size does not
+    divide): right results, and whether the direct same-host path was agreed on."""
+    n, me = comm.size, comm.rank
+    ok: dict[str, bool] = {}
+    for dtype, count in ((np.float64, 1_000_003), (np.int32, 3_000_001)):
+        mine = ((np.arange(count) + me) % 11).astype(dtype)
+        xs = [((np.arange(count) + r) % 11).astype(dtype) for r in range(n)]
+        total = np.sum(xs, axis=0, dtype=dtype)
+        buf = mine.copy()
+        comm.all_reduce(buf, ReduceOp.SUM)  # in place
+        out = np.empty_like(mine)
+        comm.all_reduce_out(mine, out, ReduceOp.MAX)
+        m = count // n
+        part = np.empty(m, dtype)
+        comm.reduce_scatter(mine[: m * n], part, ReduceOp.SUM)
+        gathered = np.empty(n * m, dtype)
+        comm.all_gather(mine[:m], gathered)
+        root = n - 1
+        bcast = np.empty_like(mine)
+        comm.broadcast_out(mine if me == root else None, bcast, root)
+        ok[np.dtype(dtype).name] = (
+            np.array_equal(buf, total)
+            and np.array_equal(out, np.maximum.reduce(xs))
+            and np.array_equal(
+                part, np.sum([x[: m * n] for x in xs], axis=0, dtype=dtype)[me * m : (me + 1) * m]
+            )
+            and np.array_equal(gathered, np.concatenate([x[:m] for x in xs]))
+            and np.array_equal(bcast, xs[root])
+            and np.array_equal(mine, xs[me])  # inputs untouched
+        )
+    return {"ok": ok, "direct": comm._direct._verdict}
+
+
+def test_direct_collectives_between_same_host_ranks() -> None:
+    results, token = run("direct_workout", [{}] * 3)
+    for result in results:
+        assert result == {"ok": {"float64": True, "int32": True}, "direct": True}, result
+    assert leftovers(token) == []
+
+
+@pytest.mark.parametrize(
+    "envs",
+    [
+        [{"MESHCOMM_HOST_KEY": h} for h in ("a", "a", "b")],  # one pair could, the others not
+        [{}, {}, {"MESHCOMM_SHM_CMA": "0"}],  # one rank cannot be read
+    ],
+    ids=["pretend-hosts", "one-rank-without-cma"],
+)
+def test_direct_path_is_agreed_by_every_rank_or_none(envs: list[dict[str, str]]) -> None:
+    results, _ = run("direct_workout", envs)
+    for result in results:
+        assert result == {"ok": {"float64": True, "int32": True}, "direct": False}, result
+
+
 def _check_ok(result: dict[str, Any]) -> None:
     assert result["ok"] == {**ALL_OK, "unexpected": True}, result
 

@@ -104,7 +104,8 @@ def ring_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str)
 
 
 def all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
-    """Large all_reduces (ring algorithm, many steps each) until the victim dies."""
+    """Large all_reduces until the victim dies (over shared memory: the direct path, where
+    ranks read each other's memory; over sockets: the ring)."""
     buf = np.ones(1 << 20, np.float32)
     for step in range(10_000):
         if comm.rank == victim and step == 3:
@@ -197,6 +198,16 @@ def test_sigkill_mid_all_reduce(transport: str) -> None:
     for rank, report in reports.items():
         assert (report["type"], report["rank"]) == ("PeerError", 1), (rank, report)
         assert report["at"] - died_at <= TIMEOUT + SLACK
+        check_fail_fast(report)
+        check_channels(report, transport)
+
+
+def test_sigstop_mid_all_reduce(transport: str) -> None:
+    reports, _ = run_fault("all_reduce_until_failure", 3, victim=2, how="stop")
+    assert sorted(reports) == [0, 1]
+    for rank, report in reports.items():
+        assert report["type"] == "CommTimeout", (rank, report)
+        assert TIMEOUT <= report["elapsed"] <= TIMEOUT + SLACK, (rank, report)
         check_fail_fast(report)
         check_channels(report, transport)
 

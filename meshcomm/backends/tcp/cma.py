@@ -31,7 +31,15 @@ import numpy as np
 
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["address_of", "cma_available", "cma_enabled", "read_into", "read_word"]
+__all__ = [
+    "address_of",
+    "cma_available",
+    "cma_enabled",
+    "read_at",
+    "read_into",
+    "read_word",
+    "write_at",
+]
 
 # One call moves at most this much: the kernel stops at about 2 GiB per call anyway, and
 # pieces of this size keep the copy cache-friendly.
@@ -72,13 +80,11 @@ def _populate(address: int, nbytes: int) -> None:
         fn(start, end - start, _MADV_POPULATE_WRITE)
 
 
-@functools.lru_cache(maxsize=1)
-def _readv() -> Any:
-    """libc's ``process_vm_readv``, or None where it does not exist."""
+def _vm_call(name: str) -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_ssize_t
@@ -91,6 +97,18 @@ def _readv() -> Any:
         ctypes.c_ulong,
     ]
     return fn
+
+
+@functools.lru_cache(maxsize=1)
+def _readv() -> Any:
+    """libc's ``process_vm_readv``, or None where it does not exist."""
+    return _vm_call("process_vm_readv")
+
+
+@functools.lru_cache(maxsize=1)
+def _writev() -> Any:
+    """libc's ``process_vm_writev``, or None where it does not exist."""
+    return _vm_call("process_vm_writev")
 
 
 def cma_available() -> bool:
@@ -135,24 +153,51 @@ def read_into(pid: int, dest: memoryview, remote: int) -> None:
         OSError: the kernel refused or the peer is gone (``errno`` says which: ``ESRCH``
             for a process that no longer exists, ``EFAULT`` for a bad address, ``EPERM``).
     """
-    fn = _readv()
-    if fn is None:
-        raise OSError(errno.ENOSYS, "process_vm_readv is not available")
     total = len(dest)
-    if not total:
-        return
-    local = address_of(dest)
-    _populate(local, total)
+    if total:
+        read_at(pid, address_of(dest), total, remote)
+
+
+def read_at(pid: int, local: int, nbytes: int, remote: int) -> None:
+    """Copy ``nbytes`` at address ``remote`` of process ``pid`` to our address ``local``.
+
+    The caller vouches that ``[local, local + nbytes)`` is writable memory it owns (the
+    address of a live numpy array, say); :func:`read_into` is the checked form.
+
+    Raises:
+        OSError: as :func:`read_into`.
+    """
+    if nbytes:
+        _populate(local, nbytes)
+        _move(_readv(), "process_vm_readv", pid, local, nbytes, remote)
+
+
+def write_at(pid: int, remote: int, nbytes: int, local: int) -> None:
+    """Copy ``nbytes`` at our address ``local`` to address ``remote`` of process ``pid``.
+
+    The kernel allows it exactly where it allows :func:`read_at` (the same ptrace check),
+    unless a seccomp filter tells them apart.
+
+    Raises:
+        OSError: as :func:`read_into`.
+    """
+    if nbytes:
+        _move(_writev(), "process_vm_writev", pid, local, nbytes, remote)
+
+
+def _move(fn: Any, name: str, pid: int, local: int, nbytes: int, remote: int) -> None:
+    if fn is None:
+        raise OSError(errno.ENOSYS, f"{name} is not available")
     done = 0
     liov, riov = _IoVec(), _IoVec()
-    while done < total:
-        want = min(total - done, _PIECE)
+    while done < nbytes:
+        want = min(nbytes - done, _PIECE)
         liov.iov_base, liov.iov_len = local + done, want
         riov.iov_base, riov.iov_len = remote + done, want
         got = fn(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
         if got <= 0:
             err = ctypes.get_errno() if got < 0 else errno.EFAULT
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+            raise OSError(err, f"{name} with pid {pid}: {os.strerror(err)}")
         done += got
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from meshcomm.backends import algorithms
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.tcp import wire
+from meshcomm.backends.tcp.direct import Direct
 from meshcomm.backends.tcp.link import TcpLink
 from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
@@ -82,6 +83,7 @@ class TcpCommunicator(Communicator):
         super().__init__(rank, global_ranks, timeout)
         self.comm_id = comm_id
         self.link = TcpLink(transport, comm_id, self.global_ranks, rank)
+        self._direct = Direct(self.link)
         self._transport = transport
         self._owns = owns_transport
         self._group_rank = {g: r for r, g in enumerate(self.global_ranks)}
@@ -150,17 +152,32 @@ class TcpCommunicator(Communicator):
         return value
 
     # -- collectives ---------------------------------------------------------------------
+    # Large collectives between ranks that can all read each other's memory take the direct
+    # path (meshcomm.backends.tcp.direct); the rest run the algorithms over the link.
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         self._check("all_reduce")
-        algorithms.all_reduce(self.link, buf, op)
+        if not self._direct.all_reduce(buf, buf, op):
+            algorithms.all_reduce(self.link, buf, op)
+
+    def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        """Reduce ``send`` across ranks into ``recv``, leaving ``send`` untouched.
+
+        The group layer hands a synchronous call's input over as ``send``, so the result is
+        written without copying the input first.
+        """
+        self._check("all_reduce")
+        if not self._direct.all_reduce(send, recv, op):
+            algorithms.all_reduce(self.link, recv, op, send=send)
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._check("all_gather")
-        algorithms.all_gather(self.link, send, recv)
+        if not self._direct.all_gather(send, recv):
+            algorithms.all_gather(self.link, send, recv)
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
         self._check("reduce_scatter")
-        algorithms.reduce_scatter(self.link, send, recv, op)
+        if not self._direct.reduce_scatter(send, recv, op):
+            algorithms.reduce_scatter(self.link, send, recv, op)
 
     def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._check("all_to_all")
@@ -168,7 +185,35 @@ class TcpCommunicator(Communicator):
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._check("broadcast")
-        algorithms.broadcast(self.link, buf, root)
+        if not self._direct.broadcast(buf, root):
+            algorithms.broadcast(self.link, buf, root)
+
+    def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        """Root's ``send`` into every rank's ``recv`` (root's too); ``send`` is read only on
+        root, where peers may read it while root copies it into its own ``recv``."""
+        self._check("broadcast")
+        if self.rank != root:
+            send = None
+        elif send is not None and not (
+            isinstance(send, np.ndarray)
+            and isinstance(recv, np.ndarray)
+            and send.ndim == 1
+            and send.flags.c_contiguous
+            and send.dtype == recv.dtype
+            and send.size == recv.size
+        ):
+            raise InvalidArgument(
+                f"rank {self.global_ranks[self.rank]}: broadcast_out send must be a flat "
+                f"C-contiguous array like recv, got {getattr(send, 'dtype', type(send))} "
+                f"{getattr(send, 'shape', '')} and {getattr(recv, 'dtype', type(recv))} "
+                f"{getattr(recv, 'shape', '')}"
+            )
+        # Every rank makes the same choice: the direct path looks at the sizes and the
+        # communicator's verdict, never at whether this rank has a send buffer.
+        if not self._direct.broadcast(recv, root, send=send):
+            if send is not None:
+                np.copyto(recv, send)
+            algorithms.broadcast(self.link, recv, root)
 
     def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._check("reduce")

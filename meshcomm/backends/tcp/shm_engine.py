@@ -22,12 +22,13 @@ import errno
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from meshcomm.backends.tcp import cma, wire
 from meshcomm.backends.tcp.connections import Channel, Connections
 from meshcomm.backends.tcp.matching import CONTROL, PLAIN, RTS, Recv, Send
 from meshcomm.backends.tcp.shm import ShmPair
-from meshcomm.errors import InvalidArgument, PeerError, ProtocolError
+from meshcomm.errors import CommError, InvalidArgument, PeerError, ProtocolError
 
 __all__ = [
     "CMA_MIN",
@@ -137,9 +138,10 @@ class ShmPeer:
             False).
         rts: RTS sends to this peer that wait for their FIN, oldest first.
         cma: whether payloads may go to this peer as an address.
+        reads: whether this process can read the peer's memory.
     """
 
-    __slots__ = ("cma", "current", "decoder", "pair", "peer", "pid", "rts", "rx", "tx")
+    __slots__ = ("cma", "current", "decoder", "pair", "peer", "pid", "reads", "rts", "rx", "tx")
     is_shm = True
 
     def __init__(self, peer: int, pair: ShmPair) -> None:
@@ -149,6 +151,7 @@ class ShmPeer:
         self.rx = pair.rx
         self.pid = pair.peer_pid
         self.cma = pair.peer_reads_us
+        self.reads = pair.we_read_peer
         self.decoder = wire.Decoder(handshake=False)
         self.current: object = None
         self.rts: deque[Send] = deque()
@@ -167,6 +170,71 @@ class ShmEngine(Connections):
 
     def _publish_abort(self, record: str) -> None:
         raise NotImplementedError
+
+    def _break(self, exc: CommError) -> None:
+        raise NotImplementedError
+
+    # -- direct access to peers' memory (meshcomm.backends.tcp.direct) ------------------------
+    def reads_all(self, peers: Iterable[int]) -> bool:
+        """Whether every peer (global ranks) is a shared-memory peer whose memory this process
+        can read and that can read this process's memory (``process_vm_readv`` both ways)."""
+        shm = self._shm
+        return all((sp := shm.get(p)) is not None and sp.cma and sp.reads for p in peers)
+
+    def read_peer(self, peer: int, local: int, nbytes: int, remote: int) -> None:
+        """Copy ``nbytes`` at address ``remote`` of same-host ``peer`` to our address ``local``.
+
+        The caller keeps ``[local, local + nbytes)`` alive and writable, and knows from the
+        peer that the remote range is a live buffer (an address it published and has not yet
+        released). A failure breaks the transport, as any failed operation does.
+
+        Raises:
+            PeerError: the peer's process is gone (names it).
+            ProtocolError: the kernel refused (a bad address: the ranks disagree).
+        """
+        self._peer_copy(False, peer, local, nbytes, remote)
+
+    def write_peer(self, peer: int, remote: int, nbytes: int, local: int) -> None:
+        """Copy ``nbytes`` at our address ``local`` to address ``remote`` of same-host ``peer``
+        (the peer published the range for this); errors as :meth:`read_peer`."""
+        self._peer_copy(True, peer, local, nbytes, remote)
+
+    def writes_to(self, peer: int, remote: int, nbytes: int, local: int) -> bool:
+        """Probe :meth:`write_peer` (a range the peer gave for it): False where refused."""
+        sp = self._shm.get(peer)
+        if sp is None:
+            return False
+        try:
+            cma.write_at(sp.pid, remote, nbytes, local)
+        except OSError:
+            return False
+        return True
+
+    def _peer_copy(self, write: bool, peer: int, local: int, nbytes: int, remote: int) -> None:
+        what = "write" if write else "read"
+        sp = self._shm.get(peer)
+        error: CommError
+        if sp is None:
+            error = ProtocolError(f"rank {self.rank}: rank {peer} is not a shared-memory peer")
+        else:
+            try:
+                if write:
+                    cma.write_at(sp.pid, remote, nbytes, local)
+                else:
+                    cma.read_at(sp.pid, local, nbytes, remote)
+                return
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    reason = f"rank {peer} died: its process is gone (seen by rank {self.rank})"
+                    self._publish_abort(reason)
+                    error = PeerError(f"rank {self.rank}: peer {reason}", peer)
+                else:
+                    error = ProtocolError(
+                        f"rank {self.rank}: cannot {what} {nbytes} bytes of rank {peer} at "
+                        f"{remote:#x}: {exc}"
+                    )
+        self._break(error)
+        raise error
 
     def _spin_shm(self, now: float) -> None:
         """Poll the rings until something moved or the spin budget is spent.
