@@ -453,6 +453,65 @@ def test_run_mpi_usage() -> None:
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+# -- meshrun --backend mpi ----------------------------------------------------------------------
+_MESHRUN_JOB = """
+import sys, numpy as np, meshcomm
+group = meshcomm.init(timeout=120)  # no backend named: MESHCOMM_BACKEND=mpi from meshrun
+total = group.all_reduce(np.ones(1))[0]
+print(f"rank {group.rank} of {group.size} backend {group.backend} store {group.store} sum {total}")
+print("to stderr", file=sys.stderr)
+if sys.argv[1:] == ["fail"] and group.rank == 1:
+    raise RuntimeError("rank 1 refuses")
+if sys.argv[1:] == ["exit"]:
+    sys.exit(4 if group.rank == 0 else 0)
+group.barrier()  # without the abort, the others would wait here for 120 s
+"""
+
+
+def meshrun(tmp_path: Path, nprocs: int, *args: str, timeout: float = 90.0) -> MpiRun:
+    script = tmp_path / "job.py"
+    script.write_text(_MESHRUN_JOB)
+    command = [sys.executable, "-m", "meshcomm.run", "--backend", "mpi", "--nproc-per-node",
+               str(nprocs), str(script), *args]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(), cwd=str(REPO), start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"meshrun --backend mpi ran past {timeout} s:\n{err[-3000:]}")
+    return MpiRun(proc.returncode, out, err, time.monotonic() - start, [])
+
+
+def test_meshrun_backend_mpi_labels_every_rank(tmp_path: Path) -> None:
+    run = meshrun(tmp_path, 3)
+    assert run.rc == 0, run.tail()
+    for r in range(3):
+        assert f"[rank{r}] rank {r} of 3 backend mpi store None sum 3.0" in run.out, run.tail()
+        assert f"[rank{r}] to stderr" in run.err, run.tail()
+
+
+def test_meshrun_backend_mpi_stops_every_rank_on_a_failure(tmp_path: Path) -> None:
+    run = meshrun(tmp_path, 3, "fail")
+    assert run.rc == 1, run.tail()
+    assert run.seconds < 60, run.tail()  # well before the 120 s collective timeout
+    assert "[rank1] RuntimeError: rank 1 refuses" in run.err, run.tail()
+    assert "meshrun: mpiexec -n 3 exited with code 1" in run.err, run.tail()
+    code = meshrun(tmp_path, 2, "exit")
+    assert code.rc == 4, code.tail()
+
+
+def test_meshrun_backend_mpi_arguments() -> None:
+    from meshcomm.run import parse_args
+
+    cfg = parse_args(["--backend", "mpi", "--nproc-per-node", "2", "-m", "pkg.mod", "x"])
+    assert cfg.backend == "mpi" and cfg.mpiexec == find_mpiexec()
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "mpi", "--nnodes", "2", "x.py"])
+
+
 # -- meshcomm.info ------------------------------------------------------------------------------
 def test_info_under_mpiexec_reports_mpi() -> None:
     (mpi,) = run_case(1, "info_json")
