@@ -512,6 +512,26 @@ def test_meshrun_backend_mpi_arguments() -> None:
         parse_args(["--backend", "mpi", "--nnodes", "2", "x.py"])
 
 
+# -- meshcomm-bench --backend mpi ---------------------------------------------------------------
+def test_bench_launches_its_mpi_ranks_through_mpiexec() -> None:
+    command = [sys.executable, "-m", "meshcomm.bench", "--backend", "mpi", "-n", "2", "-b", "8",
+               "-e", "64", "-f", "8", "--iters", "2", "-w", "1"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=90, env=clean_env(),
+                          cwd=str(REPO), check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 2, backend mpi" in proc.stdout, proc.stdout
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]) == 2
+
+
+def test_bench_inside_mpiexec_uses_the_mpi_world() -> None:
+    run = mpirun(3, ["-m", "meshcomm.bench", "-b", "8", "-e", "8", "--iters", "2", "--json"],
+                 script=[])  # fmt: skip
+    assert run.rc == 0, run.tail()
+    (row,) = json.loads(run.out.strip().splitlines()[-1])
+    assert (row["world"], row["size"], row["wrong"], row["backend"]) == (3, 8, 0, "mpi"), row
+
+
 # -- meshcomm.info ------------------------------------------------------------------------------
 def test_info_under_mpiexec_reports_mpi() -> None:
     (mpi,) = run_case(1, "info_json")
