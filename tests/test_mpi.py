@@ -292,6 +292,47 @@ def communicator() -> list[str]:
 
 
 @case
+def mesh_groups() -> list[str]:
+    """A mesh on the mpi backend gets its axis groups from one grid split (Cart_create+Sub)."""
+    import meshcomm
+    from meshcomm.mesh import DeviceMesh
+
+    group = meshcomm.init()  # no backend named: mpiexec implies mpi
+    n, me = group.size, group.rank
+    failures: list[str] = []
+    try:
+        if group.backend != "mpi":
+            return [f"rank {me}: backend {group.backend} under mpiexec"]
+        shapes = [(2, n // 2), (n // 2, 2), (1, n), (n, 1)]
+        if n == 8:
+            shapes.append((2, 2, 2))
+        for shape in shapes:
+            mesh = meshcomm.init_device_mesh(shape)
+            grid = np.arange(n).reshape(shape)
+            coord = np.unravel_index(me, shape)
+            long_axes = sum(1 for d in shape if d > 1)
+            for d, g in enumerate(mesh.get_all_groups()):
+                index = tuple(slice(None) if k == d else int(c) for k, c in enumerate(coord))
+                want = grid[index].tolist()
+                if list(g.ranks) != want:
+                    failures.append(f"rank {me} {shape} axis {d}: ranks {g.ranks}, want {want}")
+                from_grid = "/grid" in g.name
+                if from_grid != (long_axes >= 2):
+                    failures.append(f"rank {me} {shape} axis {d}: group {g.name}")
+                got = g.all_reduce(np.array([me], np.int64))
+                if got.tolist() != [sum(want)]:
+                    failures.append(f"rank {me} {shape} axis {d}: psum {got}, want {sum(want)}")
+            # A mesh over part of the world, and a permuted one, split per axis as before.
+            perm = DeviceMesh(np.arange(n)[::-1].reshape(shape), ("a", "b", "c")[: len(shape)])
+            for g in perm.get_all_groups():
+                if "/grid" in g.name:
+                    failures.append(f"rank {me} permuted {shape}: group {g.name}")
+        return failures
+    finally:
+        meshcomm.shutdown()
+
+
+@case
 def collective_timeout() -> str:
     """Rank 0 skips a barrier: the others raise CommTimeout within the timeout."""
     import meshcomm
@@ -387,6 +428,12 @@ def test_dtype_edge_cases_against_numpy(user_ops: str) -> None:
 def test_communicator_api(nprocs: int) -> None:
     failures = [f for per_rank in run_case(nprocs, "communicator") for f in per_rank]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("nprocs", [4, 8])
+def test_mesh_axis_groups_come_from_one_cart_split(nprocs: int) -> None:
+    failures = [f for per_rank in run_case(nprocs, "mesh_groups") for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
 
 
 def test_a_missing_peer_is_a_timeout_not_a_hang() -> None:
