@@ -169,7 +169,7 @@ def mesh_costs(group: Any, comm: Any, repeats: int, slowest: Callable[[float], f
         print(f"one group split per axis (before): {statistics.median(splits) * 1e3:.2f} ms")
         print(
             f"init_device_mesh{shape}, split per axis: {statistics.median(old_mesh) * 1e3:.2f} ms"
-        )  # noqa: E501
+        )
         print(f"init_device_mesh{shape} (Cart): {statistics.median(made) * 1e3:.2f} ms")
         print(f"first psum on each axis: {statistics.median(first) * 1e3:.2f} ms")
         print(f"MpiCommunicator.cart_subs{shape}: {statistics.median(cart) * 1e3:.2f} ms")
