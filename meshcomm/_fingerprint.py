@@ -41,6 +41,7 @@ _OPS = (
     "barrier",
     "split",
     "new_group",
+    "grid_split",
 )
 _REDUCE_OPS = tuple(ReduceOp)
 _DIMS = 6  # dims stored as such; longer shapes add a checksum

@@ -5,7 +5,9 @@ Run it on its own and it launches the ranks itself::
     meshcomm-bench -n 4 --op all_reduce --min-bytes 8 --max-bytes 64M --backend tcp
 
 or inside a launcher that already started the ranks (``meshrun``, ``mpiexec``), where it
-uses the world it finds. Rank 0 prints one row per size:
+uses the world it finds. ``--backend mpi`` launches its ranks as one MPI job (``meshrun
+--backend mpi``, i.e. ``mpiexec``); under ``mpiexec`` the mpi backend is the default.
+Rank 0 prints one row per size:
 
     size  count  type  redop  root  time(us)  algbw(GB/s)  busbw(GB/s)  #wrong
 
@@ -96,6 +98,7 @@ class BenchRow:
     algbw: float
     busbw: float
     wrong: int
+    backend: str = ""
 
 
 def _sizes(min_bytes: int, max_bytes: int, factor: int, itemsize: int) -> list[int]:
@@ -226,6 +229,7 @@ def _bench_size(group: Any, case: _Case, size: int, iters: int, warmup: int) -> 
         algbw=algbw,
         busbw=algbw * bus_factor(case.op, group.size),
         wrong=wrong,
+        backend=group.backend,
     )
 
 
@@ -308,9 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not _inside_launcher():
         nprocs = args.nprocs or 2
         forwarded = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+        # The mpi backend's ranks are one MPI job: meshrun starts them through mpiexec.
+        launch = ["--backend", "mpi"] if args.backend == "mpi" else []
         command = [
-            sys.executable, "-m", "meshcomm.run", "--nproc-per-node", str(nprocs), "--no-prefix",
-            "-m", "meshcomm.bench", *forwarded,
+            sys.executable, "-m", "meshcomm.run", *launch, "--nproc-per-node", str(nprocs),
+            "--no-prefix", "-m", "meshcomm.bench", *forwarded,
         ]  # fmt: skip
         env = dict(os.environ, **{_CHILD_ENV: "1"})
         return subprocess.call(command, env=env)

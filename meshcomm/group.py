@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from types import ModuleType
@@ -725,6 +726,44 @@ class ProcessGroup:
 
         fields = {"args": tuple(sorted(chosen))}
         return self._issue("new_group", (body, fields), False)
+
+    def grid_split(self, dims: Sequence[int]) -> list[ProcessGroup] | None:
+        """One group per axis of a row-major grid over this group's ranks, in one call.
+
+        For a grid ``np.array(self.ranks).reshape(dims)``, axis ``d``'s group holds the ranks
+        whose coordinates differ only along ``d``, ranked by that coordinate: the groups a
+        :class:`~meshcomm.mesh.DeviceMesh` makes per axis. Backends with a grid primitive
+        make them all at once (mpi: ``MPI_Cart_create`` and one ``MPI_Cart_sub`` per axis);
+        the others return None without communicating, and the caller splits per axis.
+        Collective: every rank of the group calls it.
+
+        Raises:
+            InvalidArgument: ``dims`` are not positive or do not multiply to the size.
+            CommError: communication failed.
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator()).grid_split((1, 1)) is None  # no grid primitive
+            True
+        """
+        c = self._enter("grid_split")
+        shape = tuple(_lower.int_arg(c.where, d, "dims") for d in dims)
+        if not shape or any(d < 1 for d in shape) or math.prod(shape) != self.size:
+            raise InvalidArgument(
+                f"{c.where}: dims must be positive and multiply to the group size {self.size}, "
+                f"got {list(shape)}"
+            )
+        cart_subs = getattr(self._comm, "cart_subs", None)
+        if cart_subs is None:
+            return None
+        self._children += 1
+        name = f"{self.name}/grid{self._children}"
+
+        def body() -> list[ProcessGroup]:
+            comms = cart_subs(shape)
+            return [self._child(comm, f"{name}:axis{d}") for d, comm in enumerate(comms)]
+
+        result: list[ProcessGroup] = self._issue("grid_split", (body, {"args": shape}), False)
+        return result
 
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
         return ProcessGroup(comm, store=self.store, name=name, _parent=self)

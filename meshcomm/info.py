@@ -85,7 +85,7 @@ def _mpi_here() -> dict[str, Any]:
     from meshcomm.backends.mpi._lib import cuda_support, load, thread_level_name
 
     mpi = load()
-    library = str(mpi.Get_library_version()).strip().splitlines()
+    library = str(mpi.Get_library_version()).replace("\x00", "").strip().splitlines()
     aware, how = cuda_support()
     major, minor = mpi.Get_version()
     return {

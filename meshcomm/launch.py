@@ -56,6 +56,7 @@ __all__ = [
     "expand_nodelist",
     "mpi_share_store_address",
     "running_engine_id",
+    "started_by_mpi",
 ]
 
 #: Values of :attr:`LaunchInfo.store_host`: who serves the store at the master address.
@@ -82,6 +83,9 @@ _LAUNCHERS = (
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
 _MPI_LAUNCHERS = ("openmpi", "mpich")
+# Set in the ranks of an ``srun`` step only when SLURM wired an MPI process manager interface
+# into it (``--mpi=pmi2``, ``--mpi=pmix``); a plain ``srun --mpi=none`` sets none of them.
+_SLURM_MPI_VARS = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "PMIX_NAMESPACE")
 # A SLURM job with no MASTER_PORT derives one from its job id: every rank computes the same
 # port without talking, and concurrent jobs on one node rarely collide. The range stays below
 # Linux's ephemeral ports (32768+) so outgoing connections do not take it first.
@@ -390,6 +394,31 @@ def running_engine_id() -> int | None:
     if isinstance(engine_id, int) and engine_id >= 0:
         return engine_id
     return None
+
+
+def started_by_mpi(env: Mapping[str, str]) -> bool:
+    """True when an MPI launcher started this process as a rank of one MPI job.
+
+    That is ``mpiexec``/``mpirun`` (Open MPI, MPICH, Intel MPI, MVAPICH), or an ``srun`` step
+    with an MPI plugin (``--mpi=pmi2``/``pmix``: the PMI variables are set). A launcher that
+    starts each rank as its own process (meshrun, torchrun, ``meshcomm.spawn``) wins even
+    inside an outer ``mpiexec``: its ranks are not one MPI job. A pure function over ``env``.
+
+    Example:
+        >>> started_by_mpi({"PMI_RANK": "0", "PMI_SIZE": "2"})
+        True
+        >>> started_by_mpi({"RANK": "0", "WORLD_SIZE": "2", "PMI_RANK": "0", "PMI_SIZE": "1"})
+        False
+        >>> started_by_mpi({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"})
+        False
+        >>> started_by_mpi({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+        ...                 "PMIX_RANK": "0"})
+        True
+    """
+    info = detect_launch(env)
+    if info.is_mpi:
+        return True
+    return info.launcher == "slurm" and any(env.get(v) for v in _SLURM_MPI_VARS)
 
 
 def _store_host(env: Mapping[str, str]) -> str:

@@ -141,6 +141,35 @@ class _Root:
             self._base_made = True
             return self._base
 
+    def axis_groups(self) -> None:
+        """Make every axis's group in one grid split, where the backend has one (mpi).
+
+        Only for a grid that is the parent's ranks in order, with at least two axes longer
+        than 1 (else an axis could be the parent itself), and none made yet; otherwise, or
+        on a backend without a grid primitive, :meth:`group` splits per axis later. Every
+        rank takes the same branch: the grid and the groups made so far are the same on all.
+        Collective over the parent.
+        """
+        with self._lock:
+            shape = self.grid.shape
+            if self._groups or sum(1 for n in shape if n > 1) < 2:
+                return
+            parent = self.parent()
+            if tuple(int(r) for r in self.grid.flat) != tuple(parent.ranks):
+                return
+            coord = self.coordinate(self.my_rank())
+            made = parent.grid_split(shape)
+            if made is None or coord is None:
+                return
+            for axis, group in enumerate(made):
+                members = self.members((axis,), coord)
+                if tuple(group.ranks) != members:
+                    raise CommError(
+                        f"rank {self.my_rank()}: the grid split made ranks {list(group.ranks)} "
+                        f"for mesh axis {axis}, expected {list(members)} (meshcomm bug)"
+                    )
+                self._groups[(axis,)] = group
+
     def group(self, axes: tuple[int, ...]) -> ProcessGroup:
         """The group over root ``axes``, in that order (rank = row-major index over them)."""
         with self._lock:
@@ -515,6 +544,8 @@ class DeviceMesh:
         if self._mine()[1] is None:
             self._root.base()
             return []
+        if self._dims == tuple((a,) for a in range(self._root.grid.ndim)):
+            self._root.axis_groups()
         return [self._group_for_dims((d,)) for d in range(self.ndim)]
 
     # -- slicing and flattening ----------------------------------------------------------

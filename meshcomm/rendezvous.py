@@ -58,6 +58,7 @@ __all__ = [
     "Rendezvous",
     "parse_init_method",
     "rendezvous",
+    "storeless_rendezvous",
 ]
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -182,8 +183,10 @@ class Rendezvous:
         local_rank: rank on this host, None if unknown.
         local_world_size: processes on this host, None if unknown.
         launcher: the detected launcher ("explicit" when rank and size were arguments).
-        store: a view of the shared store scoped to this world (give it to the backend).
-        raw_store: the store itself.
+        store: a view of the shared store scoped to this world (give it to the backend);
+            None for a world without a store (the mpi backend's, see
+            :func:`storeless_rendezvous`).
+        raw_store: the store itself (None without a store).
         address: where the store lives, for messages ("tcp://127.0.0.1:29500", ...).
         timeout: seconds that blocking calls wait.
         owns_store: whether :meth:`close` closes the store (False for a caller's store).
@@ -196,8 +199,8 @@ class Rendezvous:
     local_rank: int | None
     local_world_size: int | None
     launcher: str
-    store: Store
-    raw_store: Store
+    store: Store | None
+    raw_store: Store | None
     address: str
     timeout: float
     owns_store: bool
@@ -218,6 +221,8 @@ class Rendezvous:
         if self._closed:
             return
         self._closed = True
+        if self.raw_store is None:
+            return
         try:
             left = self.raw_store.add(f"{self.namespace}/exit", 1)
             if self.hosts_server and left < self.world_size:
@@ -327,6 +332,47 @@ def rendezvous(
         owns_store=owns,
         hosts_server=hosts,
         namespace=namespace,
+    )
+
+
+def storeless_rendezvous(
+    world_size: int | None = None,
+    rank: int | None = None,
+    timeout: Timeout | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> Rendezvous:
+    """Say who this process is, from the launcher's environment, without any store.
+
+    For a backend whose world needs no store (the mpi backend: its world is
+    ``MPI_COMM_WORLD``). Explicit ``rank``/``world_size`` win over the launcher's; with
+    neither and no launcher, this is rank 0 of 1. The backend checks these against its own
+    view (MPI's rank and size). Does no I/O.
+
+    Raises:
+        InvalidArgument: bad arguments or launcher environment.
+
+    Example:
+        >>> rdzv = storeless_rendezvous(env={"PMI_RANK": "1", "PMI_SIZE": "4"}, timeout=5)
+        >>> rdzv.rank, rdzv.world_size, rdzv.launcher, rdzv.store
+        (1, 4, 'mpich', None)
+        >>> rdzv.close()
+    """
+    env = os.environ if env is None else env
+    me = _identity(rank, world_size, detect_launch(env))
+    return Rendezvous(
+        rank=me.rank,
+        world_size=me.world_size,
+        local_rank=me.local_rank,
+        local_world_size=me.local_world_size,
+        launcher=me.launcher,
+        store=None,
+        raw_store=None,
+        address="no store",
+        timeout=to_seconds(timeout),
+        owns_store=False,
+        hosts_server=False,
+        namespace="",
     )
 
 

@@ -14,6 +14,10 @@ The launcher itself hosts the rendezvous store and sets ``MESHCOMM_STORE_HOSTED=
 node it binds 127.0.0.1 on a port the kernel picks (no race), on several nodes node 0 binds
 ``--master-port`` on every interface.
 
+``--backend mpi`` starts the ranks as one MPI job instead, through ``mpiexec`` (see
+:mod:`meshcomm._mpiexec`): same output labels, same stop-everything-on-failure, same exit
+status. ``--backend NAME`` otherwise sets ``MESHCOMM_BACKEND`` for ``meshcomm.init()``.
+
 Output lines are prefixed ``[rank3] ``. If a rank fails, the others get SIGTERM, then
 SIGKILL after ``--grace-period`` seconds; ``meshrun`` prints which rank failed and the tail of
 its stderr, and exits with that rank's status (128 + N for signal N). Ctrl-C stops every rank
@@ -121,6 +125,9 @@ class LaunchConfig:
         start_method: ``"fork"``: ranks are forked from the launcher, which imported numpy
             and meshcomm once (Python targets only); ``"spawn"``: each rank is a fresh
             process started from ``command``.
+        backend: the backend ``meshcomm.init()`` picks in the ranks (None: its default);
+            "mpi" starts the ranks through ``mpiexec``.
+        mpiexec: the ``mpiexec`` for ``backend="mpi"``.
     """
 
     nproc_per_node: int
@@ -135,6 +142,8 @@ class LaunchConfig:
     run_id: str = "none"
     script_file: str | None = None
     start_method: str = "spawn"
+    backend: str | None = None
+    mpiexec: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -239,6 +248,20 @@ def _build_parser() -> argparse.ArgumentParser:
         "(Python programs on Linux; the default); spawn: a fresh interpreter per rank. "
         f"Default: ${START_METHOD_VARIABLE}, else fork",
     )
+    add(
+        "--backend",
+        default=None,
+        choices=("tcp", "mpi", "nccl"),
+        help="the backend meshcomm.init() uses in the ranks; mpi starts them as one MPI job "
+        "through mpiexec (with meshcomm.run_mpi: a failing rank aborts them all)",
+    )
+    add(
+        "--mpiexec",
+        default=None,
+        metavar="PATH",
+        help="the mpiexec for --backend mpi; default: $MESHCOMM_MPIEXEC, the one next to "
+        "this Python, then PATH",
+    )
     add("script", metavar="script", help="the program: a .py file, or a module with -m")
     add("script_args", nargs=argparse.REMAINDER, help="arguments passed to the program")
     return parser
@@ -317,6 +340,23 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         parser.error(f"--grace-period must be a positive number of seconds, got {ns.grace_period}")
     if ns.module and ns.no_python:
         parser.error("--module and --no-python cannot be combined")
+    mpiexec = None
+    if ns.backend == "mpi":
+        if nnodes != 1:
+            parser.error(
+                "--backend mpi starts one node's ranks; for several nodes run mpiexec (with "
+                "-hosts/--host) or srun directly: see docs/backends/mpi.md"
+            )
+        from meshcomm._mpiexec import find_mpiexec
+
+        mpiexec = ns.mpiexec or find_mpiexec()
+        if mpiexec is None:
+            parser.error(
+                "--backend mpi needs mpiexec: pip install 'meshcomm[mpi]' (MPICH and mpi4py), "
+                "or name it with --mpiexec or MESHCOMM_MPIEXEC"
+            )
+    elif ns.mpiexec is not None:
+        parser.error("--mpiexec is only used with --backend mpi")
 
     if ns.standalone or (nnodes == 1 and ns.master_addr is None and ns.master_port is None):
         master_addr, master_port, bind_addr = "127.0.0.1", 0, "127.0.0.1"
@@ -363,6 +403,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         run_id=ns.run_id,
         script_file=script_file,
         start_method=start_method,
+        backend=ns.backend,
+        mpiexec=mpiexec,
     )
 
 
@@ -401,6 +443,8 @@ def child_environment(
         )
     )
     env["PYTHONUNBUFFERED"] = "1"
+    if config.backend is not None:
+        env["MESHCOMM_BACKEND"] = config.backend
     if config.nproc_per_node > 1:
         # N ranks each starting a BLAS thread per core would oversubscribe the cores N times.
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -836,6 +880,8 @@ def launch(config: LaunchConfig) -> int:
         >>> launch(cfg)
         0
     """
+    if config.backend == "mpi":
+        return _launch_mpi(config)
     with _catch_stop_signals() as (wakeup_fd, received, old_handlers):
         server = None
         port = config.master_port
@@ -863,6 +909,23 @@ def launch(config: LaunchConfig) -> int:
         finally:
             if server is not None:
                 server.close()
+
+
+def _launch_mpi(config: LaunchConfig) -> int:
+    from meshcomm._mpiexec import launch_mpiexec
+
+    if config.mpiexec is None:  # parse_args finds one; a hand-made LaunchConfig may not
+        print("meshrun: backend 'mpi' needs an mpiexec (LaunchConfig.mpiexec)", file=sys.stderr)
+        return 1
+    with _catch_stop_signals() as (_, received, _handlers):
+        return launch_mpiexec(
+            config.mpiexec,
+            config.nproc_per_node,
+            config.command,
+            prefix=config.prefix,
+            grace_period=config.grace_period,
+            stop_signals=received,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

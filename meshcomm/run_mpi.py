@@ -14,6 +14,9 @@ with the rank, then calls ``MPI_Abort`` on ``MPI_COMM_WORLD`` so the launcher st
 the job with that code (an error message string aborts with 1). ``KeyboardInterrupt`` aborts
 with 130. MPI is initialized (by importing ``mpi4py.MPI``) before the program starts.
 
+``MESHCOMM_OUTPUT_PREFIX`` (``meshrun --backend mpi`` sets it to ``[rank{rank}] ``) labels
+every line the rank writes to stdout and stderr with that pattern, ``{rank}`` replaced.
+
 Example:
     >>> parse_args(["-m", "pkg.mod", "--flag"])
     ('module', 'pkg.mod', ['--flag'])
@@ -31,7 +34,12 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-__all__ = ["main", "parse_args"]
+from meshcomm._line_prefix import LinePrefix
+
+__all__ = ["PREFIX_ENV", "main", "parse_args"]
+
+#: A pattern such as ``[rank{rank}] ``: prefix every output line of the rank with it.
+PREFIX_ENV = "MESHCOMM_OUTPUT_PREFIX"
 
 _USAGE = (
     "usage: python -m meshcomm.run_mpi [-h] (SCRIPT | -m MODULE | -c COMMAND) [ARGS...]\n"
@@ -85,7 +93,7 @@ def _is_ours(filename: str) -> bool:
     return filename in (__file__, runpy.__file__) or "runpy" in filename
 
 
-def _abort(mpi: Any, code: int, reason: str) -> NoReturn:
+def _abort(mpi: Any, code: int, reason: str, prefix: LinePrefix | None) -> NoReturn:
     world = mpi.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     sys.stdout.flush()
@@ -95,6 +103,8 @@ def _abort(mpi: Any, code: int, reason: str) -> NoReturn:
         file=sys.stderr,
         flush=True,
     )
+    if prefix is not None:
+        prefix.stop()
     # MPI_Abort makes the launcher kill every rank at once; give its stdio forwarder a moment
     # to pass on the traceback just written, or the one message that explains the abort is lost.
     time.sleep(_FORWARD_GRACE_S)
@@ -117,27 +127,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    prefix = _start_prefix(MPI)
     try:
         _run(kind, target, rest)
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
-            return 0
+            return _done(prefix)
         if isinstance(code, int):
-            _abort(MPI, code, f"the program exited with code {code}")
+            _abort(MPI, code, f"the program exited with code {code}", prefix)
         print(code, file=sys.stderr)
-        _abort(MPI, 1, "the program exited with an error message")
+        _abort(MPI, 1, "the program exited with an error message", prefix)
     except KeyboardInterrupt:
         traceback.print_exc()
-        _abort(MPI, 130, "interrupted (KeyboardInterrupt)")
+        _abort(MPI, 130, "interrupted (KeyboardInterrupt)", prefix)
     except BaseException as exc:
         rank = MPI.COMM_WORLD.Get_rank()
         tb = exc.__traceback__
         while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next  # start the traceback at the program, not at this launcher
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        _abort(MPI, 1, f"uncaught {type(exc).__name__}: {exc}")
+        label = "" if prefix is not None else f"[rank {rank}] "  # already labelled otherwise
+        sys.stderr.write("".join(f"{label}{line}\n" for line in text.splitlines()))
+        _abort(MPI, 1, f"uncaught {type(exc).__name__}: {exc}", prefix)
+    return _done(prefix)
+
+
+def _start_prefix(mpi: Any) -> LinePrefix | None:
+    pattern = os.environ.get(PREFIX_ENV)
+    if not pattern:
+        return None
+    prefix = LinePrefix(pattern.replace("{rank}", str(mpi.COMM_WORLD.Get_rank())).encode())
+    prefix.start()
+    return prefix
+
+
+def _done(prefix: LinePrefix | None) -> int:
+    if prefix is not None:
+        prefix.stop()
     return 0
 
 

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -32,8 +33,9 @@ from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS, create_world_communicator
 from meshcomm.backends.base import Communicator
 from meshcomm.errors import CommError, InvalidArgument, RendezvousError
+from meshcomm.launch import started_by_mpi
 from meshcomm.reduction import ReduceOp
-from meshcomm.rendezvous import Rendezvous, rendezvous
+from meshcomm.rendezvous import Rendezvous, rendezvous, storeless_rendezvous
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,8 +44,10 @@ if TYPE_CHECKING:
     from meshcomm.store.base import Store
 
 __all__ = [
+    "BACKEND_ENV",
     "DEFAULT_BACKEND",
     "World",
+    "choose_backend",
     "get_world",
     "get_world_info",
     "init",
@@ -51,8 +55,11 @@ __all__ = [
     "shutdown",
 ]
 
-#: Backend used when ``init`` gets none; a world of one runs on the "self" communicator.
+#: Backend used when ``init`` gets none and no MPI launcher started the process; a world of
+#: one runs on the "self" communicator.
 DEFAULT_BACKEND = "tcp"
+#: Names the backend when ``init`` gets none (e.g. ``MESHCOMM_BACKEND=tcp mpiexec ...``).
+BACKEND_ENV = "MESHCOMM_BACKEND"
 # Seconds the store-hosting rank keeps its server up after the backend failed to start, so
 # the other ranks read their own errors instead of a dropped store connection.
 _FAILED_INIT_LINGER = 2.0
@@ -94,13 +101,8 @@ class World:
         env: Mapping[str, str] | None = None,
     ) -> ProcessGroup:
         """Join the world; see :func:`meshcomm.world.init`."""
-        name = DEFAULT_BACKEND if backend is None else backend
-        if not isinstance(name, str):
-            raise TypeError(f"backend must be a str, got {type(name).__name__} {name!r}")
-        if name not in BACKENDS:
-            raise InvalidArgument(
-                f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}"
-            )
+        env = os.environ if env is None else env
+        name = choose_backend(backend, init_method, store, env)
         seconds = to_seconds(timeout)
         with self._lock:
             if self._group is not None:
@@ -111,9 +113,13 @@ class World:
                 )
             generation = self._generation
             self._generation += 1
-            rdzv = rendezvous(
-                init_method, world_size, rank, seconds, store, env=env, generation=generation
-            )
+            if name == "mpi" and store is None and init_method in (None, "env://"):
+                # The world is MPI_COMM_WORLD: MPI itself brought the ranks together.
+                rdzv = storeless_rendezvous(world_size, rank, seconds, env=env)
+            else:
+                rdzv = rendezvous(
+                    init_method, world_size, rank, seconds, store, env=env, generation=generation
+                )
             try:
                 group = _make_group(name, rdzv)
             except BaseException:
@@ -171,6 +177,54 @@ class World:
         self.group  # noqa: B018 - raises the not-initialized error
         assert self._rendezvous is not None  # set together with the group
         return self._rendezvous
+
+
+def choose_backend(
+    backend: str | None,
+    init_method: str | None = None,
+    store: Store | None = None,
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """Return the backend ``init`` uses: the one named, else the one the launch implies.
+
+    In order: ``backend``; ``MESHCOMM_BACKEND``; "mpi" when an MPI launcher started this
+    process (:func:`meshcomm.launch.started_by_mpi`: ``mpiexec``, ``mpirun``, ``srun`` with
+    an MPI plugin), mpi4py is installed and no store or store URL (other than ``env://``) was
+    given; otherwise "tcp". Under meshrun or torchrun the ranks are separate processes, never
+    one MPI job, so they get "tcp" even inside an outer ``mpiexec``. Does not import mpi4py.
+
+    Raises:
+        TypeError: ``backend`` is not a str.
+        InvalidArgument: an unknown backend name.
+
+    Example:
+        >>> choose_backend(None, env={})
+        'tcp'
+        >>> choose_backend(None, env={"MESHCOMM_BACKEND": "tcp", "PMI_RANK": "0", "PMI_SIZE": "2"})
+        'tcp'
+        >>> choose_backend(None, env={"RANK": "0", "WORLD_SIZE": "2", "PMI_RANK": "0",
+        ...                           "PMI_SIZE": "1"})
+        'tcp'
+    """
+    env = os.environ if env is None else env
+    name: object = backend
+    source = "backend"
+    if name is None and env.get(BACKEND_ENV, "").strip():
+        name, source = env[BACKEND_ENV].strip().lower(), BACKEND_ENV
+    if name is None:
+        implied = store is None and init_method in (None, "env://") and started_by_mpi(env)
+        if implied:
+            from meshcomm.backends.mpi import available
+
+            implied = available()
+        return "mpi" if implied else DEFAULT_BACKEND
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__} {name!r}")
+    if name not in BACKENDS:
+        raise InvalidArgument(
+            f"unknown backend {name!r} ({source}); known backends: {', '.join(BACKENDS)}"
+        )
+    return name
 
 
 def _make_group(backend: str, rdzv: Rendezvous) -> ProcessGroup:
@@ -266,7 +320,11 @@ def init(
     store its agent already serves on ``MASTER_PORT``.
 
     Args:
-        backend: "tcp" (default), "mpi", "nccl" or "self"; a world of one runs on "self".
+        backend: "tcp", "mpi", "nccl" or "self". Default: ``MESHCOMM_BACKEND``, else "mpi"
+            when ``mpiexec``/``mpirun``/``srun`` (with MPI) started the process and mpi4py is
+            installed (see :func:`choose_backend`), else "tcp"; a world of one on tcp runs
+            on "self". The mpi backend's world is ``MPI_COMM_WORLD`` and has no store
+            (``group.store`` is None) unless ``init_method`` or ``store`` names one.
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
         world_size: number of processes (default: from the environment).
         rank: this process's rank (default: from the environment).

@@ -355,15 +355,47 @@ def test_mpiexec_finds_the_store_through_mpi(tmp_path: Path, n: int) -> None:
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed (pip install meshcomm[mpi])")
     mpiexec = _mpiexec()
-    # No MASTER_ADDR/MASTER_PORT: rank 0 picks a free port and MPI carries its address.
-    results = ranks.launch_mpi(mpiexec, n, ranks.clean_env(), _cfg(timeout=60), tmp_path, 120)
+    # No MASTER_ADDR/MASTER_PORT: rank 0 picks a free port and MPI carries its address. The
+    # tcp backend is named: under mpiexec the default would be the mpi backend (no store).
+    cfg = _cfg(timeout=60, backend="tcp")
+    results = ranks.launch_mpi(mpiexec, n, ranks.clean_env(), cfg, tmp_path, 120)
     _check_world(results, n)
+    assert {r["backend"] for r in results} == {"tcp"}
     assert {r["launcher"] for r in results} <= {"mpich", "openmpi"}
     assert [r["hosts_server"] for r in results] == [True] + [False] * (n - 1)
     # All ranks on this host: the store listens on loopback only.
     assert all(r["address"].startswith("tcp://127.0.0.1:") for r in results)
     assert len({r["address"] for r in results}) == 1
     assert [r["local_rank"] for r in results] == list(range(n))
+
+
+@pytest.mark.mpi
+def test_mpiexec_selects_the_mpi_backend_without_a_store(tmp_path: Path) -> None:
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed (pip install meshcomm[mpi])")
+    mpiexec = _mpiexec()
+    cfg = dict(_cfg(timeout=60), exchange=False)
+    results = ranks.launch_mpi(mpiexec, 3, ranks.clean_env(), cfg, tmp_path, 120)
+    assert [r["ok"] for r in results] == [True] * 3, results
+    assert [(r["rank"], r["size"], r["collective"]) for r in results] == [
+        (r, 3, "ok") for r in range(3)
+    ]
+    assert {r["backend"] for r in results} == {"mpi"}, results
+    assert {r["store"] for r in results} == {None}, results
+    assert [r["hosts_server"] for r in results] == [False] * 3
+    # MESHCOMM_BACKEND names another backend: the usual store rendezvous over MPI.
+    env = ranks.clean_env({"MESHCOMM_BACKEND": "tcp"})
+    results = ranks.launch_mpi(mpiexec, 2, env, _cfg(timeout=60), tmp_path, 120)
+    _check_world(results, 2)
+    assert {r["backend"] for r in results} == {"tcp"}, results
+
+
+def test_meshrun_inside_mpiexec_does_not_select_mpi(tmp_path: Path) -> None:
+    # The launcher's variables of an outer mpiexec leak into meshrun's ranks; meshrun's win.
+    outer = {"PMI_RANK": "0", "PMI_SIZE": "1", "PMI_FD": "9"}
+    results = ranks.launch_meshrun(2, ranks.clean_env(outer), _cfg(timeout=60), tmp_path, 120)
+    _check_world(results, 2)
+    assert {r["backend"] for r in results} == {"tcp"}, results
 
 
 def test_lone_process_ignores_a_stale_master_address(monkeypatch: pytest.MonkeyPatch) -> None:

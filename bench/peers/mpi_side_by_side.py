@@ -15,12 +15,13 @@ one JSON line of rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -120,15 +121,34 @@ def main() -> None:
 
 
 def mesh_costs(group: Any, comm: Any, repeats: int, slowest: Callable[[float], float]) -> None:
-    """Time ``init_device_mesh`` (one split per axis) and ``cart_subs`` on the whole world."""
+    """Time mesh groups: one split per axis, ``init_device_mesh`` (Cart), ``cart_subs``."""
     from meshcomm import ops
     from meshcomm.mesh import init_device_mesh
 
     n = comm.Get_size()
     shape = (2, n // 2) if n % 2 == 0 and n > 2 else (n,)
     names = ("dp", "tp")[: len(shape)]
-    made, first, cart = [], [], []
+    made, first, cart, splits, old_mesh = [], [], [], [], []
+    me = comm.Get_rank()
+    coord = np.unravel_index(me, shape)
     for _ in range(repeats):
+        # Before: one group-layer split (all-gather + MPI_Comm_create_group) per axis.
+        comm.Barrier()
+        t0 = time.perf_counter()
+        made_by_split = []
+        for d in range(len(shape)):
+            others = [int(c) for k, c in enumerate(coord) if k != d]
+            color = int(np.ravel_multi_index(others, [s for k, s in enumerate(shape) if k != d]))
+            made_by_split.append(group.split(color, int(coord[d])))
+        splits.append(slowest(time.perf_counter() - t0))
+        for g in made_by_split:
+            g.close()
+        # init_device_mesh as before this change: grid_split unavailable, one split per axis.
+        comm.Barrier()
+        t0 = time.perf_counter()
+        with _no_grid_split():
+            init_device_mesh(shape, names, backend="mpi")
+        old_mesh.append(slowest(time.perf_counter() - t0))
         comm.Barrier()
         t0 = time.perf_counter()
         mesh = init_device_mesh(shape, names, backend="mpi")
@@ -146,9 +166,25 @@ def mesh_costs(group: Any, comm: Any, repeats: int, slowest: Callable[[float], f
             axis.close()
     if comm.Get_rank() == 0:
         print(f"# mesh {shape} on {n} ranks, mpi backend, medians of {repeats} (slowest rank)")
-        print(f"init_device_mesh{shape}: {statistics.median(made) * 1e3:.2f} ms")
+        print(f"one group split per axis (before): {statistics.median(splits) * 1e3:.2f} ms")
+        print(
+            f"init_device_mesh{shape}, split per axis: {statistics.median(old_mesh) * 1e3:.2f} ms"
+        )
+        print(f"init_device_mesh{shape} (Cart): {statistics.median(made) * 1e3:.2f} ms")
         print(f"first psum on each axis: {statistics.median(first) * 1e3:.2f} ms")
         print(f"MpiCommunicator.cart_subs{shape}: {statistics.median(cart) * 1e3:.2f} ms")
+
+
+@contextlib.contextmanager
+def _no_grid_split() -> Iterator[None]:
+    from meshcomm.group import ProcessGroup
+
+    saved = ProcessGroup.grid_split
+    ProcessGroup.grid_split = lambda self, dims: None  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        ProcessGroup.grid_split = saved  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

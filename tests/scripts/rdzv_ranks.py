@@ -161,7 +161,11 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
         info = world.get_world_info()
         store, rank, size = group.store, group.rank, group.size
         closer = world.shutdown
-        extra = {"backend": group.backend, "ranks": list(group.ranks)}
+        extra = {
+            "backend": group.backend,
+            "ranks": list(group.ranks),
+            "store": None if store is None else type(store).__name__,
+        }
         if config.get("try_collective"):
             import numpy as np
 

@@ -4,6 +4,7 @@ Each primitive is one nonblocking MPI call, completed by polling with the commun
 timeout (:mod:`meshcomm.backends.mpi._request`)::
 
     all_reduce      MPI_Iallreduce(MPI_IN_PLACE, buf)   (the group's snapshot is the result)
+    all_reduce_out  MPI_Iallreduce(send, recv)          (a synchronous call's input, uncopied)
     all_gather      MPI_Iallgather
     reduce_scatter  MPI_Ireduce_scatter_block
     all_to_all      MPI_Ialltoall
@@ -379,6 +380,14 @@ class MpiCommunicator(Communicator):
         req = self.mpi_comm.Iallreduce(self._mpi.IN_PLACE, [data, count, red.datatype], red.op)
         return [req], back, (data,)
 
+    def _start_all_reduce_out(self, send: Any, recv: Any, op: ReduceOp) -> Started:
+        red = self._reductions.get((send.dtype, op)) or self._reduction(send.dtype, op)
+        s, _ = self._device(send, True, False, red.user_defined)
+        r, back = self._device(recv, False, True, red.user_defined)
+        count = int(send.size)
+        req = self.mpi_comm.Iallreduce([s, count, red.datatype], [r, count, red.datatype], red.op)
+        return [req], back, (s, r)
+
     def _start_all_gather(self, send: Any, recv: Any) -> Started:
         s, _ = self._device(send, True, False)
         r, back = self._device(recv, False, True)
@@ -479,6 +488,33 @@ class MpiCommunicator(Communicator):
             raise
         except self._error_type as exc:
             self._pending.append(([request], (buf,)))
+            raise comm_error(exc, self._at("all_reduce")) from exc
+
+    def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        """Out of place: ``recv`` gets the reduction of every rank's ``send`` (unchanged).
+
+        ``MPI_Iallreduce(send, recv)``, as raw mpi4py's ``Allreduce(x, out)``: the group layer
+        hands a synchronous call's input over as is, so nobody copies it first.
+        """
+        red = self._reductions.get((send.dtype, op))
+        if red is None or type(send) is not np.ndarray or type(recv) is not np.ndarray:
+            self._run("all_reduce", self._start_all_reduce_out, send, recv, op)
+            return
+        if self._closed:
+            self._check("all_reduce")
+        request = None
+        try:
+            count = send.size
+            request = self.mpi_comm.Iallreduce(
+                [send, count, red.datatype], [recv, count, red.datatype], red.op
+            )
+            if not request.Test():
+                poll(request.Test, self.timeout, self._patience, self._late_all_reduce)
+        except CommTimeout:
+            self._pending.append(([request], (send, recv)))
+            raise
+        except self._error_type as exc:
+            self._pending.append(([request], (send, recv)))
             raise comm_error(exc, self._at("all_reduce")) from exc
 
     def _late_all_reduce(self) -> str:

@@ -1,0 +1,171 @@
+"""``meshrun --backend mpi``: start the ranks as one MPI job through ``mpiexec``.
+
+meshrun runs ``mpiexec -n N python -m meshcomm.run_mpi PROGRAM ...`` and supervises that one
+process. The user sees what meshrun shows for its own ranks:
+
+- every output line labelled ``[rankN] `` (each rank labels its own lines through
+  ``MESHCOMM_OUTPUT_PREFIX``: ``mpiexec`` merges all ranks into one stream);
+- an uncaught exception on any rank stops every rank (``meshcomm.run_mpi`` calls
+  ``MPI_Abort``), its traceback shown;
+- meshrun's exit status is the job's (the failing rank's code; 128 + N for signal N);
+- Ctrl-C (SIGINT, SIGTERM, SIGHUP) is passed on to ``mpiexec``, which passes it to the ranks;
+  whatever still runs ``--grace-period`` seconds later is killed.
+
+``meshcomm.init()`` in the ranks picks the mpi backend (``MESHCOMM_BACKEND=mpi``).
+
+Example:
+    >>> mpiexec_command("/venv/bin/mpiexec", 4, ("/venv/bin/python", "train.py", "--lr", "1"))
+    ['/venv/bin/mpiexec', '-n', '4', '/venv/bin/python', '-m', 'meshcomm.run_mpi', 'train.py', '--lr', '1']
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from meshcomm._procs import (
+    SHADOWING_VARIABLES,
+    describe_exit,
+    exit_status,
+    rank_environment,
+    send_signal,
+    signal_name,
+    supervised_command,
+)
+
+__all__ = ["MPIEXEC_ENV", "find_mpiexec", "launch_mpiexec", "mpi_environment", "mpiexec_command"]
+
+#: Names the ``mpiexec`` to use (default: the one next to the interpreter, then PATH).
+MPIEXEC_ENV = "MESHCOMM_MPIEXEC"
+
+_PREFIX = "[rank{rank}] "
+_TICK = 0.2
+
+
+def find_mpiexec(env: Mapping[str, str] | None = None) -> str | None:
+    """Return the ``mpiexec`` to use, or None if there is none.
+
+    ``MESHCOMM_MPIEXEC`` first; then the one next to this interpreter (a virtual environment
+    with MPICH or Open MPI from PyPI, matching the mpi4py it imports); then ``PATH``.
+
+    Example:
+        >>> find_mpiexec({"MESHCOMM_MPIEXEC": "/opt/mpi/bin/mpirun"})
+        '/opt/mpi/bin/mpirun'
+    """
+    env = os.environ if env is None else env
+    named = env.get(MPIEXEC_ENV, "").strip()
+    if named:
+        return named
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpiexec", path=env.get("PATH"))
+
+
+def mpiexec_command(mpiexec: str, nprocs: int, command: Sequence[str]) -> list[str]:
+    """``mpiexec -n N`` over ``command``; a Python command runs under ``meshcomm.run_mpi``.
+
+    ``command`` is meshrun's: ``(python, script, ...)``, ``(python, "-m", module, ...)``, or
+    any program (``--no-python``), which runs as it is, without the abort wrapper.
+    """
+    head = [mpiexec, "-n", str(nprocs)]
+    if len(command) >= 2 and _is_python(command[0]):
+        return [*head, command[0], "-m", "meshcomm.run_mpi", *command[1:]]
+    return [*head, *command]
+
+
+def _is_python(program: str) -> bool:
+    return program == sys.executable or Path(program).name.startswith("python")
+
+
+def mpi_environment(
+    nprocs: int, prefix: bool, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment ``mpiexec`` starts the ranks with.
+
+    meshrun's and torchrun's variables from an outer launcher are dropped (they would make
+    ``meshcomm.init`` take the ranks for separate processes); ``MESHCOMM_BACKEND=mpi``.
+
+    Example:
+        >>> env = mpi_environment(2, True, base={"RANK": "3", "HOME": "/root"})
+        >>> sorted(env)
+        ['HOME', 'MESHCOMM_BACKEND', 'MESHCOMM_OUTPUT_PREFIX', 'OMP_NUM_THREADS', 'PYTHONUNBUFFERED']
+    """  # noqa: E501
+    env = dict(os.environ if base is None else base)
+    torchrun = rank_environment(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0
+    )
+    for name in (*SHADOWING_VARIABLES, *torchrun):
+        env.pop(name, None)
+    env["MESHCOMM_BACKEND"] = "mpi"
+    env["PYTHONUNBUFFERED"] = "1"
+    if prefix:
+        env["MESHCOMM_OUTPUT_PREFIX"] = _PREFIX
+    if nprocs > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def launch_mpiexec(
+    mpiexec: str,
+    nprocs: int,
+    command: Sequence[str],
+    *,
+    prefix: bool,
+    grace_period: float,
+    stop_signals: list[int],
+) -> int:
+    """Run the job; return meshrun's exit status.
+
+    Args:
+        mpiexec: the launcher to run.
+        nprocs: ranks.
+        command: meshrun's per-rank command.
+        prefix: label output lines with the rank.
+        grace_period: seconds between passing on a stop signal and SIGKILL.
+        stop_signals: filled by meshrun's signal handler with the signals it receives.
+    """
+    argv = mpiexec_command(mpiexec, nprocs, command)
+    try:
+        proc = subprocess.Popen(
+            supervised_command(argv),
+            env=mpi_environment(nprocs, prefix),
+            stdin=subprocess.DEVNULL,
+        )
+    except OSError as exc:
+        print(f"meshrun: cannot start {mpiexec!r}: {exc}", file=sys.stderr)
+        return 1
+    stop: int | None = None
+    kill_at: float | None = None
+    while True:
+        try:
+            code = proc.wait(timeout=_TICK)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if stop_signals:
+            signum = stop_signals.pop(0)
+            if stop is None:
+                stop = signum
+                print(f"meshrun: received {signal_name(signum)}; stopping the job", file=sys.stderr)
+                # mpiexec passes the signal on to every rank.
+                send_signal(proc.pid, signum)
+                kill_at = time.monotonic() + grace_period
+            else:
+                kill_at = 0.0  # a second Ctrl-C: do not wait for the grace period
+        if kill_at is not None and time.monotonic() >= kill_at:
+            send_signal(proc.pid, 9, group=True)
+            kill_at = float("inf")
+    if stop is not None:
+        return 128 + stop
+    if code != 0:
+        print(
+            f"meshrun: mpiexec -n {nprocs} {describe_exit(code)}; the job has stopped",
+            file=sys.stderr,
+        )
+    return exit_status(code)
