@@ -53,14 +53,10 @@ def to_host(x: Any) -> tuple[Any, ModuleType | None]:
 
 
 def to_device(xp: ModuleType, result: Any) -> Any:
-    """Return ``result`` (an array, None, or ``(array, source)`` from recv) on the device.
+    """Return ``result`` (an array, or None off the root) as an array of ``xp``.
 
     Example:
         >>> to_device(np, None) is None
         True
     """
-    if result is None:
-        return None
-    if isinstance(result, tuple):
-        return (to_device(xp, result[0]), *result[1:])
-    return xp.asarray(result)
+    return None if result is None else xp.asarray(result)
