@@ -51,6 +51,7 @@ from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
 
 __all__ = [
+    "COMPOSED",
     "Call",
     "Lowered",
     "all_gather",
@@ -72,7 +73,8 @@ __all__ = [
 #: What a lowering returns: the body to run in order, and the debug fingerprint fields.
 Lowered = tuple[Callable[[], Any], dict[str, Any] | None]
 
-_COMPOSED = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+#: Reduce ops made of a primitive one (SUM) and arithmetic around it.
+COMPOSED = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
 
 class Call:
@@ -331,7 +333,7 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
     shape = arr.shape
     buf = c.results.take(dt, arr.size)
     out = buf if len(shape) == 1 else buf.reshape(shape)
-    prim = ReduceOp.SUM if rop in _COMPOSED else rop
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
     comm, size = c.comm, c.size
     reduce_out = c.all_reduce_out
     if (
@@ -398,7 +400,7 @@ def reduce_scatter(
     if f is not None:
         np.multiply(send, f, out=send)
     recv = c.results.take(dt, _prod(block))
-    prim = ReduceOp.SUM if rop in _COMPOSED else rop
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
 
     def body() -> np.ndarray:
         comm.reduce_scatter(send.reshape(-1), recv, prim)
@@ -493,7 +495,7 @@ def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
     copy_into(buf, arr)
     if f is not None:
         np.multiply(buf, f, out=buf)
-    prim = ReduceOp.SUM if rop in _COMPOSED else rop
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
 
     def body() -> np.ndarray | None:
         comm.reduce(buf, r, prim)

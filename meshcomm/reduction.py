@@ -29,6 +29,10 @@ class ReduceOp(str, enum.Enum):
     BXOR = "bxor"
     PREMUL_SUM = "premul_sum"
 
+    # Enum's own __hash__ is Python code; ops are dictionary keys on every collective's hot
+    # path, and str's hash agrees with the equality this str mix-in already has.
+    __hash__ = str.__hash__
+
 
 _ALIASES = {"product": ReduceOp.PROD, "mean": ReduceOp.AVG}
 

@@ -186,8 +186,9 @@ class ProgressEngine:
             CommError: the world failed or was closed (nothing is queued then).
             Exception: a synchronous ``fn`` raised (and the world is poisoned).
         """
-        lock = self._lock
-        with lock:
+        if not async_op and self.claim():
+            return self.run_claimed(fn, label)
+        with self._lock:
             if not self.healthy:
                 self.check(label)
             if not async_op and self._thread_id == threading.get_ident():
@@ -195,28 +196,50 @@ class ProgressEngine:
                     f"{label}: a synchronous call from the progress thread (a Future callback) "
                     "would wait on itself; use async_op=True there"
                 )
-            inline = not async_op and not self._busy and not self._queue
-            if inline:
-                self._busy = True
-            else:
-                work: Work[T] = Work(label)
-                self._queue.append((fn, work))
-                self._ensure_thread()
-                if self._waiting:
-                    self._cv.notify_all()
-        if not inline:
-            return work if async_op else work.wait()
+            work: Work[T] = Work(label)
+            self._queue.append((fn, work))
+            self._ensure_thread()
+            if self._waiting:
+                self._cv.notify_all()
+        return work if async_op else work.wait()
+
+    def claim(self) -> bool:
+        """Take the engine for one synchronous operation that the caller runs itself.
+
+        True when the world is healthy, nothing is queued or running, and the caller is not
+        the progress thread: the operation may run now, in the caller's thread, and the
+        caller must :meth:`release` the engine after it (:meth:`run_claimed` does both).
+        False: go through :meth:`submit`.
+        """
+        # acquire/release rather than ``with``: half the cost, and nothing here can raise.
+        lock = self._lock
+        lock.acquire()
+        free = not (self._busy or self._queue) and self.healthy
+        if free and self._thread_id is not None:
+            free = self._thread_id != threading.get_ident()
+        self._busy = self._busy or free
+        lock.release()
+        return free
+
+    def release(self) -> None:
+        """Give back the engine taken with :meth:`claim`."""
+        lock = self._lock
+        lock.acquire()
+        self._busy = False
+        if self._waiting:
+            self._cv.notify_all()
+        lock.release()
+
+    def run_claimed(self, fn: Callable[[], T], label: str) -> T:
+        """Run ``fn`` on the engine taken with :meth:`claim`, then release it.
+
+        Raises:
+            Exception: whatever ``fn`` raised (the world is poisoned then).
+        """
         try:
-            return fn()
-        except BaseException as exc:
-            # Whatever escaped mid-operation leaves the ranks' streams in an unknown state.
-            self.poison(exc, label)
-            raise
+            return self._run(fn, label)
         finally:
-            with lock:
-                self._busy = False
-                if self._waiting:
-                    self._cv.notify_all()
+            self.release()
 
     def _wait(self) -> None:
         """``self._cv.wait()``, counted so that the inline path knows whether to notify."""

@@ -516,6 +516,62 @@ def test_all_reduce_reads_the_input_in_place_only_when_safe() -> None:
     g.close()
 
 
+class _FailingOutOfPlaceSelf(_OutOfPlaceSelf):
+    """Fails its third ``all_reduce_out`` as a broken peer would."""
+
+    def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        super().all_reduce_out(send, recv, op)
+        if self.calls == 3:
+            raise CommTimeout("peer went away")
+
+
+def test_all_reduce_direct_path_matches_the_general_one() -> None:
+    comm = _OutOfPlaceSelf(timeout=10)
+    g = ProcessGroup(comm, name="world")
+    for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
+        for _ in range(3):  # the first call teaches the direct path, the others take it
+            got = g.all_reduce(x, "max")
+            assert got.shape == np.shape(x) and got.dtype == np.asarray(x).dtype
+            assert not np.shares_memory(got, x)
+            np.testing.assert_array_equal(got, x)
+    assert comm.calls == 9 and g.seq == 9 and g._direct
+    # Issue order holds: behind queued work a synchronous call waits its turn.
+    x = np.ones(4)
+    gate, order = threading.Event(), []
+    g._engine.submit(lambda: (gate.wait(10), order.append("blocker")), "blocker", async_op=True)
+    caller = threading.Thread(target=lambda: order.append(float(g.all_reduce(x).sum())))
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive() and not order
+    gate.set()
+    caller.join(10)
+    assert order == ["blocker", 4.0]
+    g.close()
+    with pytest.raises(CommError, match="closed"):
+        g.all_reduce(x)
+
+
+def test_all_reduce_direct_path_failure_poisons_the_world() -> None:
+    g = ProcessGroup(_FailingOutOfPlaceSelf(timeout=10), name="world")
+    x = np.ones(3, np.float32)
+    g.all_reduce(x)
+    g.all_reduce(x)  # the direct path
+    with pytest.raises(CommTimeout, match="peer went away"):
+        g.all_reduce(x)
+    with pytest.raises(CommError, match=r"failed earlier.*all_reduce \(op #3\)"):
+        g.all_reduce(x)
+    g.close()
+
+
+def test_all_reduce_direct_path_is_off_in_debug_mode() -> None:
+    comm = _OutOfPlaceSelf(timeout=10)
+    g = ProcessGroup(comm, name="world", debug=True)
+    for _ in range(3):
+        g.all_reduce(np.ones(2))
+    assert not g._direct  # every call went through the fingerprint check
+    g.close()
+
+
 def test_result_pool_recycles_only_dropped_results() -> None:
     pool = ResultPool(max_bytes=64 << 20)
     dt = np.dtype(np.float32)
