@@ -405,6 +405,26 @@ def large_messages() -> list[str]:
 
 
 @case
+def compat_default_backend() -> list[str]:
+    """``init_process_group()`` with no backend under mpiexec runs on MPI, no store needed."""
+    import meshcomm.distributed as dist
+
+    dist.init_process_group()
+    try:
+        me, n = dist.get_rank(), dist.get_world_size()
+        x = np.full(3, me + 1.0)
+        dist.all_reduce(x)
+        failures = []
+        if dist.get_backend() != "mpi":
+            failures.append(f"rank {me}: get_backend() is {dist.get_backend()!r}")
+        if not np.array_equal(x, np.full(3, n * (n + 1) / 2)):
+            failures.append(f"rank {me}: all_reduce gave {x}")
+        return failures
+    finally:
+        dist.destroy_process_group()
+
+
+@case
 def info_json() -> dict[str, Any]:
     from meshcomm.info import info
 
@@ -460,6 +480,11 @@ def test_a_missing_peer_is_a_timeout_not_a_hang() -> None:
         seconds = float(message.split()[2])
         assert seconds < 2.0 + 10.0, message
         assert "barrier" in message and "not complete after 2 s" in message
+
+
+def test_compat_init_without_a_backend_uses_mpi_under_mpiexec() -> None:
+    failures = [f for per_rank in run_case(3, "compat_default_backend") for f in per_rank]
+    assert not failures, "\n".join(failures)
 
 
 def test_world_must_be_one_mpi_job() -> None:

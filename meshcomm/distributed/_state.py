@@ -213,7 +213,10 @@ def init_process_group(
     Args:
         backend: ``"gloo"`` (an alias of meshcomm's ``"tcp"``), ``"tcp"``, ``"mpi"``,
             ``"nccl"``, or a per-device string such as ``"cpu:gloo,cuda:nccl"`` (the group
-            then runs on the CPU entry's backend). None: ``"tcp"``.
+            then runs on the CPU entry's backend). None: the backend ``meshcomm.init``
+            would pick (``MESHCOMM_BACKEND``, else ``"mpi"`` when ``mpiexec``/``srun``
+            started the process and mpi4py is installed, else ``"tcp"``), or the backend
+            of a world joined earlier with ``meshcomm.init``.
         init_method: ``"env://"`` (default), ``"tcp://host:port"`` or ``"file:///path"``.
         timeout: for the rendezvous and every blocking operation (default:
             ``MESHCOMM_TIMEOUT`` or 300 s; torch's is 30 minutes).
@@ -238,7 +241,12 @@ def init_process_group(
     """
     if STATE.default is not None:
         raise ValueError("trying to initialize the default process group twice!")
-    name = meshcomm_backend(backend)
+    if backend is not None:
+        name = meshcomm_backend(backend)
+    elif world.is_initialized() and world.get_world().backend != "self":
+        name = world.get_world().backend
+    else:
+        name = world.choose_backend(None, init_method, store)
     if pg_options is not None:
         warnings.warn("pg_options are ignored: meshcomm backends take no options", stacklevel=2)
     seconds = _delta(timeout)
