@@ -39,6 +39,7 @@ import; set it alike on every rank.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ import numpy as np
 
 from meshcomm.backends.algorithms._common import combine_into
 from meshcomm.backends.tcp.doorbell import BOARD_BYTES, BOARD_OFFSET, BOARD_SEQ_WORD, _Bell
+from meshcomm.backends.tcp.matching import Recv, Send
 from meshcomm.backends.tcp.shm_engine import ShmEngine
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument
 from meshcomm.reduction import ReduceOp
@@ -111,6 +113,9 @@ class BoardEngine(ShmEngine):
     """The board all_reduce of the transport (a mixin; see the module docstring)."""
 
     _board: Board | None
+    _lock: threading.Lock
+    _failure: CommError | None
+    _closed: bool
     _gone: dict[int, str]
     _last_socket_poll: float
     _last_abort_check: float
@@ -122,7 +127,10 @@ class BoardEngine(ShmEngine):
     def _check_abort(self) -> None:
         raise NotImplementedError
 
-    def _gone_error(self, peer: int, action: str) -> CommError:
+    def _run(self, sends: list[Send], recvs: list[Recv], what: str, comm_id: int) -> None:
+        raise NotImplementedError
+
+    def _fail(self, exc: BaseException, what: str) -> None:
         raise NotImplementedError
 
     # -- agreement --------------------------------------------------------------------------
