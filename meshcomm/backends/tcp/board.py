@@ -1,7 +1,8 @@
 """Small all_reduces among same-host ranks through a board of slots (a transport mixin).
 
-Latency-bound all_reduces (up to :func:`board_max` bytes, 4 KiB by default) of the world
-communicator, when every member is a shared-memory peer, skip the rings. Each process's
+All_reduces of the world communicator below the direct path's threshold
+(:mod:`~meshcomm.backends.tcp.direct`, 256 KiB) and up to :func:`board_max` bytes (256 KiB),
+when every member is a shared-memory peer, skip the rings. Each process's
 doorbell page (:mod:`~meshcomm.backends.tcp.doorbell`), which every same-host peer already
 maps, carries a **board**: a sequence word and two slots of ``BOARD_BYTES``. Call ``k`` on
 rank ``r``:
@@ -16,7 +17,10 @@ rank ``r``:
 
 One round and no message: a ring message costs a header, two ring updates and a match on
 each side, and the step-by-step algorithms chain two or more of them per call, which with
-more ranks than cores means as many waits for a descheduled peer. Two slots suffice: a rank
+more ranks than cores means as many waits for a descheduled peer. Measured at 4 ranks on the
+2-core VM, an 8-byte all_reduce spent ~190 us of CPU per rank (wall ~400 us), most of it in
+the rings' Python on both sides of two recursive-doubling steps, against ~55 us on the board
+(wall 105-170 us); a bare loop of the same protocol takes 19 us. Two slots suffice: a rank
 that writes slot ``k % 2`` for call ``k`` has seen every member's ``k - 1``, so every member
 has finished reading call ``k - 2``; a member that is already at ``k + 1`` writes the other
 slot.
