@@ -19,7 +19,7 @@ One round and no message: a ring message costs a header, two ring updates and a 
 each side, and the step-by-step algorithms chain two or more of them per call, which with
 more ranks than cores means as many waits for a descheduled peer. Measured at 4 ranks on the
 2-core VM, an 8-byte all_reduce spent ~190 us of CPU per rank (wall ~400 us), most of it in
-the rings' Python on both sides of two recursive-doubling steps, against ~55 us on the board
+the rings' Python on both sides of two recursive-doubling steps, against ~75 us on the board
 (wall 105-170 us); a bare loop of the same protocol takes 19 us. Two slots suffice: a rank
 that writes slot ``k % 2`` for call ``k`` has seen every member's ``k - 1``, so every member
 has finished reading call ``k - 2``; a member that is already at ``k + 1`` writes the other
