@@ -53,6 +53,7 @@ from meshcomm.backends.algorithms._common import combine_into
 from meshcomm.backends.tcp.doorbell import BOARD_BYTES, BOARD_OFFSET, BOARD_SEQ_WORD, _Bell
 from meshcomm.backends.tcp.matching import Recv, Send
 from meshcomm.backends.tcp.shm_engine import ShmEngine
+from meshcomm.backends.tcp.shm_platform import _Mapping
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument
 from meshcomm.reduction import ReduceOp
 
@@ -96,7 +97,7 @@ class Board:
         seq: the number of board calls so far (the same on every member).
     """
 
-    def __init__(self, members: Sequence[int], rank: int, mappings: Sequence[object]) -> None:
+    def __init__(self, members: Sequence[int], rank: int, mappings: Sequence[_Mapping]) -> None:
         self.members = tuple(members)
         self.rank = rank
         self.seq = 0
@@ -105,10 +106,10 @@ class Board:
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
         self.seqs: list[memoryview] = []
         for m in mappings:
-            raw = m.data(BOARD_OFFSET, 2 * BOARD_BYTES)  # type: ignore[attr-defined]
+            raw = m.data(BOARD_OFFSET, 2 * BOARD_BYTES)
             arr = np.frombuffer(raw, np.uint8)
             self.slots.append((arr[:BOARD_BYTES], arr[BOARD_BYTES:]))
-            word = m.data(8 * BOARD_SEQ_WORD, 8).cast("Q")  # type: ignore[attr-defined]
+            word = m.data(8 * BOARD_SEQ_WORD, 8).cast("Q")
             self.seqs.append(word)
         self.seq = int(self.seqs[rank][0])  # 0 for a new doorbell; the same on all members
 
