@@ -251,6 +251,14 @@ def board_workout(comm: TcpCommunicator) -> dict[str, Any]:
         comm.all_reduce(buf, ReduceOp.SUM)
         good = out.tolist() == [n - 1 + step, 0] and x.tolist() == [me + step, -me]
         ok["small"] = ok.get("small", True) and good and buf.tolist() == [n * n / 2 + n] * 3
+    # The largest size below the direct path's threshold (whole slots), then past it.
+    for count in (65_535, 65_536):
+        wide = np.full(count, me + 1, np.float32)
+        wide[-1] = -me
+        comm.all_reduce(wide, ReduceOp.SUM)
+        ok[f"wide_{count}"] = bool((wide[:-1] == n * (n + 1) / 2).all()) and wide[-1] == -(
+            n * (n - 1) / 2
+        )
     big = np.arange(6 << 20, dtype=np.uint8)
     flag = np.array([me], np.int32)
     if me == 0:
@@ -278,7 +286,13 @@ def test_small_all_reduces_take_the_board_only_where_every_rank_can(
 ) -> None:
     results, token = run("board_workout", envs)
     for rank, result in enumerate(results):
-        expect = {"small": True, "after": True, **({"in_flight": True} if rank == 1 else {})}
+        expect = {
+            "small": True,
+            "wide_65535": True,
+            "wide_65536": True,
+            "after": True,
+            **({"in_flight": True} if rank == 1 else {}),
+        }
         assert result == {"ok": expect, "board": board}, (rank, result)
     assert leftovers(token) == []
 
