@@ -236,6 +236,67 @@ def test_direct_path_is_agreed_by_every_rank_or_none(envs: list[dict[str, str]])
         assert result == {"ok": {"float64": True, "int32": True}, "direct": False}, result
 
 
+def board_workout(comm: TcpCommunicator) -> dict[str, Any]:
+    """Small all_reduces (the board where every pair is shared memory), in place and out of
+    place, with a large send in flight across them: rank 0 sends before its all_reduce,
+    rank 1 receives after it, so rank 1 must keep the rings moving while it waits on the
+    board (else rank 0, blocked in its send, never arrives)."""
+    n, me = comm.size, comm.rank
+    ok: dict[str, bool] = {}
+    for step in range(300):
+        x = np.array([me + step, -me], np.int64)
+        out = np.empty_like(x)
+        comm.all_reduce_out(x, out, ReduceOp.MAX)
+        buf = np.full(3, me + 1.5, np.float32)
+        comm.all_reduce(buf, ReduceOp.SUM)
+        good = out.tolist() == [n - 1 + step, 0] and x.tolist() == [me + step, -me]
+        ok["small"] = ok.get("small", True) and good and buf.tolist() == [n * n / 2 + n] * 3
+    # The largest size below the direct path's threshold (whole slots), then past it.
+    for count in (65_535, 65_536):
+        wide = np.full(count, me + 1, np.float32)
+        wide[-1] = -me
+        comm.all_reduce(wide, ReduceOp.SUM)
+        ok[f"wide_{count}"] = bool((wide[:-1] == n * (n + 1) / 2).all()) and wide[-1] == -(
+            n * (n - 1) / 2
+        )
+    big = np.arange(6 << 20, dtype=np.uint8)
+    flag = np.array([me], np.int32)
+    if me == 0:
+        comm.send(big, dst=1, tag=5)
+    comm.all_reduce(flag, ReduceOp.SUM)
+    if me == 1:
+        got, _ = comm.recv(src=0, tag=5)
+        ok["in_flight"] = bool(np.array_equal(got, big))
+    ok["after"] = flag.tolist() == [n * (n - 1) // 2]
+    return {"ok": ok, "board": comm._board}
+
+
+@pytest.mark.parametrize(
+    ("envs", "board"),
+    [
+        ([{}] * 3, True),
+        ([{"MESHCOMM_SHM_CMA": "0", "MESHCOMM_SHM_BYTES": "65536"}] * 3, True),
+        ([{"MESHCOMM_HOST_KEY": h} for h in ("a", "a", "b")], False),
+        ([{"MESHCOMM_TRANSPORT": "tcp"}] * 3, False),
+    ],
+    ids=["default", "small-rings-no-cma", "pretend-hosts", "sockets"],
+)
+def test_small_all_reduces_take_the_board_only_where_every_rank_can(
+    envs: list[dict[str, str]], board: bool
+) -> None:
+    results, token = run("board_workout", envs)
+    for rank, result in enumerate(results):
+        expect = {
+            "small": True,
+            "wide_65535": True,
+            "wide_65536": True,
+            "after": True,
+            **({"in_flight": True} if rank == 1 else {}),
+        }
+        assert result == {"ok": expect, "board": board}, (rank, result)
+    assert leftovers(token) == []
+
+
 def _check_ok(result: dict[str, Any]) -> None:
     assert result["ok"] == {**ALL_OK, "unexpected": True}, result
 

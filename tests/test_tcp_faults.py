@@ -119,6 +119,26 @@ def all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how
     return "never failed"
 
 
+def small_all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
+    """8-byte all_reduces until the victim dies (over shared memory: the board, where ranks
+    wait on each other's sequence words; over sockets: recursive doubling)."""
+    buf = np.ones(2, np.float32)
+    for step in range(10_000):
+        if comm.rank == victim and step == 50:
+            _freeze_or_die(store, how)
+        started = time.monotonic()
+        try:
+            comm.all_reduce(buf, ReduceOp.SUM)
+            assert buf.tolist() == [comm.size] * 2, buf
+            buf[:] = 1
+        except CommError as exc:
+            return _failure(comm, exc, started)
+    return "never failed"
+
+
+ALL_REDUCES = ["all_reduce_until_failure", "small_all_reduce_until_failure"]
+
+
 def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, Any], float]:
     """Run ``name`` on ``size`` ranks; return the survivors' reports and the fault's time.
 
@@ -193,8 +213,9 @@ def test_sigkill_mid_ring_reaches_every_survivor(transport: str) -> None:
     assert "rank 3 died" in reports[1]["message"]
 
 
-def test_sigkill_mid_all_reduce(transport: str) -> None:
-    reports, died_at = run_fault("all_reduce_until_failure", 3, victim=1, how="kill")
+@pytest.mark.parametrize("loop", ALL_REDUCES)
+def test_sigkill_mid_all_reduce(transport: str, loop: str) -> None:
+    reports, died_at = run_fault(loop, 3, victim=1, how="kill")
     for rank, report in reports.items():
         assert (report["type"], report["rank"]) == ("PeerError", 1), (rank, report)
         assert report["at"] - died_at <= TIMEOUT + SLACK
@@ -202,12 +223,15 @@ def test_sigkill_mid_all_reduce(transport: str) -> None:
         check_channels(report, transport)
 
 
-def test_sigstop_mid_all_reduce(transport: str) -> None:
-    reports, _ = run_fault("all_reduce_until_failure", 3, victim=2, how="stop")
+@pytest.mark.parametrize("loop", ALL_REDUCES)
+def test_sigstop_mid_all_reduce(transport: str, loop: str) -> None:
+    reports, _ = run_fault(loop, 3, victim=2, how="stop")
     assert sorted(reports) == [0, 1]
     for rank, report in reports.items():
         assert report["type"] == "CommTimeout", (rank, report)
         assert TIMEOUT <= report["elapsed"] <= TIMEOUT + SLACK, (rank, report)
+        if transport == "auto" and loop.startswith("small"):
+            assert "board; still waiting for ranks [2]" in report["message"], report
         check_fail_fast(report)
         check_channels(report, transport)
 

@@ -29,7 +29,8 @@ import numpy as np
 from meshcomm.backends import algorithms
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.tcp import wire
-from meshcomm.backends.tcp.direct import Direct
+from meshcomm.backends.tcp.board import board_max
+from meshcomm.backends.tcp.direct import Direct, _flat, _op_ok
 from meshcomm.backends.tcp.link import TcpLink
 from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
@@ -89,6 +90,9 @@ class TcpCommunicator(Communicator):
         self._group_rank = {g: r for r, g in enumerate(self.global_ranks)}
         self._subs: dict[tuple[int, ...], int] = {}
         self._closed = False
+        # The board (meshcomm.backends.tcp.board) serves the world only; None: not agreed yet.
+        self._board_max = board_max() if comm_id == WORLD_ID and self.size > 1 else 0
+        self._board: bool | None = None if self._board_max else False
 
     @classmethod
     def create_world(cls, rank: int, size: int, store: Store, timeout: float) -> TcpCommunicator:
@@ -154,9 +158,48 @@ class TcpCommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------
     # Large collectives between ranks that can all read each other's memory take the direct
     # path (meshcomm.backends.tcp.direct); the rest run the algorithms over the link.
+    def _on_board(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
+        """Whether this all_reduce takes the board: small, well formed, below the direct
+        path's size, and every member agreed once that it can (the same on every rank)."""
+        if self._board is False:
+            return False
+        nbytes = recv.nbytes if isinstance(recv, np.ndarray) else 0
+        direct = self._direct.min_bytes
+        if not (
+            0 < nbytes <= self._board_max
+            and (direct < 0 or nbytes < direct)
+            and _flat(recv, True)
+            and _flat(send, False)
+            and send.dtype == recv.dtype
+            and send.size == recv.size
+            and _op_ok(op, recv.dtype)
+        ):
+            return False
+        if self._board is None:
+            self._board = self._board_agree()
+        return self._board
+
+    def _board_agree(self) -> bool:
+        # The first round opens every pair's channel (shared memory is set up, or not, before
+        # a pair's first message moves); then every rank says whether it can use the board.
+        n, r = self.size, self.rank
+        order = [(r + k) % n for k in range(1, n)]
+        seen = np.zeros(n, np.uint8)
+        hello = np.ones(1, np.uint8)
+        self.link.exchange([(j, hello) for j in order], [(j, seen[j : j + 1]) for j in order])
+        seen[r] = self._transport.board_local_ok(self.global_ranks)
+        mine = seen[r : r + 1].copy()
+        self.link.exchange([(j, mine) for j in order], [(j, seen[j : j + 1]) for j in order])
+        if not seen.all():
+            return False
+        self._transport.board_open(self.global_ranks, r)
+        return True
+
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         self._check("all_reduce")
-        if not self._direct.all_reduce(buf, buf, op):
+        if self._on_board(buf, buf, op):
+            self._transport.board_all_reduce(buf, buf, op)
+        elif not self._direct.all_reduce(buf, buf, op):
             algorithms.all_reduce(self.link, buf, op)
 
     def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
@@ -166,7 +209,9 @@ class TcpCommunicator(Communicator):
         written without copying the input first.
         """
         self._check("all_reduce")
-        if not self._direct.all_reduce(send, recv, op):
+        if self._on_board(send, recv, op):
+            self._transport.board_all_reduce(send, recv, op)
+        elif not self._direct.all_reduce(send, recv, op):
             algorithms.all_reduce(self.link, recv, op, send=send)
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:

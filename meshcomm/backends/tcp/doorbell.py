@@ -40,7 +40,7 @@ from meshcomm.backends.tcp.shm_platform import (
 )
 from meshcomm.errors import CommError, InvalidArgument
 
-__all__ = ["DEFAULT_SPIN_US", "Doorbell"]
+__all__ = ["BOARD_BYTES", "BOARD_OFFSET", "BOARD_SEQ_WORD", "DEFAULT_SPIN_US", "Doorbell"]
 
 #: Microseconds a waiter spins before sleeping, when it has a core to itself.
 DEFAULT_SPIN_US = 50.0
@@ -49,6 +49,11 @@ _MAGIC_BELL = int.from_bytes(b"MCSHMBEL", "little")
 # The u32 futex word is at offset 0; u64 words 1.. describe the owner; word 8 is the owner's
 # "may be asleep" flag (set by arm, cleared when a wait returns).
 _B_MAGIC, _B_RANK, _B_PID, _B_NONCE, _B_SLEEPY = 1, 2, 3, 4, 8
+#: The owner's board (:mod:`~meshcomm.backends.tcp.board`): its sequence word (u64 index, on a
+#: cache line of its own), and two slots of ``BOARD_BYTES`` from byte ``BOARD_OFFSET``.
+BOARD_SEQ_WORD = 16
+BOARD_OFFSET = 4096
+BOARD_BYTES = (_BELL_SIZE - BOARD_OFFSET) // 2
 _FUTEX_WAIT = 0
 _FUTEX_WAKE_OP = 5
 # FUTEX_OP(FUTEX_OP_ADD, 1, FUTEX_OP_CMP_EQ, 0): *word += 1 atomically, then wake.
@@ -300,6 +305,20 @@ class Doorbell:
     def wake(self) -> None:
         """Ring this process's own doorbell (from another thread, or to cut a wait short)."""
         self._own.ring()
+
+    def peer_bell(self, rank: int) -> _Bell | None:
+        """The mapped doorbell of same-host peer ``rank`` (None: no pair with it)."""
+        return self._peers.get(rank)
+
+    def own_bell(self) -> _Bell:
+        """This process's own doorbell word and page."""
+        return self._own
+
+    @property
+    def plain_memory(self) -> bool:
+        """Whether plain loads and stores of shared words are ordered (x86-64 TSO, so no
+        libatomic is in use) and a full fence is at hand: what the board needs."""
+        return self._plat.atomics is None and self._plat.fence is not None
 
     def seal(self) -> None:
         """Unlink the doorbell's name: no further peer can pair with this process."""

@@ -5,7 +5,8 @@ instead of a loopback socket. A channel is a non-blocking byte stream shaped lik
 (``send_some`` / ``recv_into_some`` copy what fits or what is there, 0 when they can't), so the
 transport's progress engine treats channels and sockets alike. Waiting never spins for long: each
 process owns one :class:`Doorbell`, a 32-bit futex word in shared memory that every same-host
-peer rings when it makes data (or ring space) available.
+peer rings when it makes data (or ring space) available. The doorbell's file also carries
+the owner's board for small all_reduces (:mod:`~meshcomm.backends.tcp.board`).
 
 Ring layout (one file per direction, created by the receiver)::
 

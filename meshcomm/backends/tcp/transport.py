@@ -53,6 +53,7 @@ from meshcomm.backends.tcp.addresses import (
     format_address,
     tune,
 )
+from meshcomm.backends.tcp.board import BoardEngine
 from meshcomm.backends.tcp.connections import (
     _ACCEPTING,
     _CLOSED,
@@ -74,7 +75,6 @@ from meshcomm.backends.tcp.matching import (
 from meshcomm.backends.tcp.shm import host_key, shm_enabled, sweep
 from meshcomm.backends.tcp.shm_engine import (
     CMA_MIN,
-    ShmEngine,
     ShmPeer,
     Spinner,
     shares_cores,
@@ -144,7 +144,7 @@ def _local_size(size: int) -> int:
     return size
 
 
-class Transport(ShmEngine):
+class Transport(BoardEngine):
     """Channels to every peer of one world and the engine that moves their frames.
 
     Create it with :meth:`start`. All methods are thread-safe: calls are serialized by a
@@ -203,6 +203,7 @@ class Transport(ShmEngine):
         self._local_size = _local_size(size)
         self._spinner = Spinner(spin_policy(self._local_size), shares_cores(self._local_size))
         self._bell = None
+        self._board = None
         self.rejected = []
         self.shm_fallbacks = {}
 
@@ -396,6 +397,7 @@ class Transport(ShmEngine):
             self._listener.close()
             self._sel.close()
             self._unexpected.clear()
+            self._board = None
             if self._bell is not None:
                 self._bell.close()
             # Names left by peers killed during their shared-memory set-up (ours are gone).
