@@ -1,11 +1,11 @@
 """Small all_reduces among same-host ranks through a board of slots (a transport mixin).
 
-All_reduces of the world communicator up to :func:`board_max` bytes (1 MiB), when every
-member is a shared-memory peer, skip the rings and the direct path
-(:mod:`~meshcomm.backends.tcp.direct`, which serves larger ones and the other collectives).
-Each process's doorbell page (:mod:`~meshcomm.backends.tcp.doorbell`), which every same-host
-peer already maps, carries a **board**: a sequence word and two slots of ``BOARD_BYTES``.
-Call ``k`` on rank ``r``:
+All_reduces of the world communicator below the direct path's threshold
+(:mod:`~meshcomm.backends.tcp.direct`, 256 KiB) and up to :func:`board_max` bytes (256 KiB),
+when every member is a shared-memory peer, skip the rings. Each process's
+doorbell page (:mod:`~meshcomm.backends.tcp.doorbell`), which every same-host peer already
+maps, carries a **board**: a sequence word and two slots of ``BOARD_BYTES``. Call ``k`` on
+rank ``r``:
 
 1. copy the contribution into slot ``k % 2`` of its own board, then store ``k`` in its
    sequence word (the store that publishes the bytes: TSO keeps the order);

@@ -164,8 +164,10 @@ class TcpCommunicator(Communicator):
         if self._board is False:
             return False
         nbytes = recv.nbytes if isinstance(recv, np.ndarray) else 0
+        direct = self._direct.min_bytes
         if not (
             0 < nbytes <= self._board_max
+            and (direct < 0 or nbytes < direct)
             and _flat(recv, True)
             and _flat(send, False)
             and send.dtype == recv.dtype

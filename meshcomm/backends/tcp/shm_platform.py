@@ -52,7 +52,7 @@ SHM_DIR = "/dev/shm"
 _PREFIX = "mcshm"
 _HEADER = 4096
 # A doorbell page, then its board (meshcomm.backends.tcp.board): two slots of 256 KiB.
-_BELL_SIZE = 4096 + 2 * 1048576
+_BELL_SIZE = 4096 + 2 * 262144
 
 # Ring header word indices (u64). Counters sit on their own 64-byte cache lines.
 _W_MAGIC, _W_VERSION, _W_CAPACITY, _W_RECEIVER, _W_SENDER, _W_NONCE = 0, 1, 2, 3, 4, 5
