@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _arrays, _fingerprint, _lower, _staging
+from meshcomm import _fingerprint, _lower, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
@@ -327,7 +327,7 @@ class ProcessGroup:
         if self._debug or c.all_reduce_out is None or type(x) is not np.ndarray:
             return
         rop = _lower.reduce_op(c.where, op, x.dtype)
-        if rop in _lower.COMPOSED or _arrays.check_dtype(x.dtype, c.where) != x.dtype:
+        if rop in _lower.COMPOSED or not x.dtype.isnative:
             return
         with contextlib.suppress(TypeError):  # an unhashable op is never remembered
             if len(self._direct) < _DIRECT_PAIRS:
@@ -335,7 +335,11 @@ class ProcessGroup:
                 self._reduce_out = c.all_reduce_out
 
     def _all_reduce_claimed(self, x: np.ndarray, out: np.ndarray, prim: ReduceOp) -> np.ndarray:
-        """The direct path of :meth:`all_reduce`, on the engine the caller claimed."""
+        """The direct path of :meth:`all_reduce`, on the engine the caller claimed.
+
+        The engine's ``run_claimed`` written out: its label would be formatted on every call,
+        here only on failure.
+        """
         engine = self._engine
         self._seq += 1
         try:

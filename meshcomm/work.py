@@ -217,7 +217,8 @@ class ProgressEngine:
         free = not (self._busy or self._queue) and self.healthy
         if free and self._thread_id is not None:
             free = self._thread_id != threading.get_ident()
-        self._busy = self._busy or free
+        if free:
+            self._busy = True
         lock.release()
         return free
 

@@ -103,37 +103,34 @@ def ring_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str)
     return "never failed"
 
 
-def all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
-    """Large all_reduces until the victim dies (over shared memory: the direct path, where
-    ranks read each other's memory; over sockets: the ring)."""
-    buf = np.ones(1 << 20, np.float32)
+def _all_reduce_loop(
+    comm: TcpCommunicator, store: Any, victim: int, how: str, count: int, fault_step: int
+) -> Any:
+    """float32 all_reduces of ``count`` elements until the victim dies at ``fault_step``."""
+    buf = np.ones(count, np.float32)
     for step in range(10_000):
-        if comm.rank == victim and step == 3:
+        if comm.rank == victim and step == fault_step:
             _freeze_or_die(store, how)
         started = time.monotonic()
         try:
             comm.all_reduce(buf, ReduceOp.SUM)
+            assert buf[0] == buf[-1] == comm.size, buf
             buf[:] = 1
         except CommError as exc:
             return _failure(comm, exc, started)
     return "never failed"
+
+
+def all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
+    """Large all_reduces until the victim dies (over shared memory: the direct path, where
+    ranks read each other's memory; over sockets: the ring)."""
+    return _all_reduce_loop(comm, store, victim, how, 1 << 20, 3)
 
 
 def small_all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: int, how: str) -> Any:
     """8-byte all_reduces until the victim dies (over shared memory: the board, where ranks
     wait on each other's sequence words; over sockets: recursive doubling)."""
-    buf = np.ones(2, np.float32)
-    for step in range(10_000):
-        if comm.rank == victim and step == 50:
-            _freeze_or_die(store, how)
-        started = time.monotonic()
-        try:
-            comm.all_reduce(buf, ReduceOp.SUM)
-            assert buf.tolist() == [comm.size] * 2, buf
-            buf[:] = 1
-        except CommError as exc:
-            return _failure(comm, exc, started)
-    return "never failed"
+    return _all_reduce_loop(comm, store, victim, how, 2, 50)
 
 
 ALL_REDUCES = ["all_reduce_until_failure", "small_all_reduce_until_failure"]

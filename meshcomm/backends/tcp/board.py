@@ -225,7 +225,7 @@ class BoardEngine(ShmEngine):
         return [j for j in missing if seqs[j][0] < k]
 
     def _board_wait(self, board: Board, k: int) -> None:
-        missing = self._board_missing(board, k, [j for j in range(len(board.members))])
+        missing = self._board_missing(board, k, list(range(len(board.members))))
         if not missing:
             return
         clock = time.monotonic
