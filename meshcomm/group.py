@@ -66,6 +66,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshcomm import _fingerprint, _lower, _staging
+from meshcomm._arrays import ResultPool
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
@@ -83,9 +84,25 @@ OpLike = str | ReduceOp
 #: At most this many (dtype, op) pairs are remembered for all_reduce's direct path.
 _DIRECT_PAIRS = 64
 
+#: Results at least this large come from the world's ResultPool (recycled, no fresh pages).
+_POOLED = ResultPool.MIN_BYTES
 
-def _never_called(send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
-    raise AssertionError("the direct path ran before a call taught it the communicator")
+#: ``run(send, recv)``: all_reduce of one (dtype, op) from ``send`` into ``recv``, two
+#: C-contiguous arrays of the same shape.
+Runner = Callable[[np.ndarray, np.ndarray], None]
+
+
+def _flat_runner(
+    reduce_out: Callable[[np.ndarray, np.ndarray, ReduceOp], None], op: ReduceOp
+) -> Runner:
+    """A :data:`Runner` over a communicator's ``all_reduce_out``, which takes flat buffers."""
+
+    def run(send: np.ndarray, recv: np.ndarray) -> None:
+        if send.ndim != 1:
+            send, recv = send.reshape(-1), recv.reshape(-1)
+        reduce_out(send, recv, op)
+
+    return run
 
 
 def _debug_from_env() -> bool:
@@ -143,9 +160,8 @@ class ProcessGroup:
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
-        # (dtype, op as spelled) -> primitive op, for all_reduce's direct path.
-        self._direct: dict[tuple[np.dtype, Any], ReduceOp] = {}
-        self._reduce_out: Callable[[np.ndarray, np.ndarray, ReduceOp], None] = _never_called
+        # (dtype, op as spelled) -> its runner, for all_reduce's direct path.
+        self._direct: dict[tuple[np.dtype, Any], Runner] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -299,14 +315,29 @@ class ProcessGroup:
             array([3., 6.])
         """
         if type(x) is np.ndarray and not async_op and factor is None:
+            # The direct path, written out in full: at 8 bytes MPI takes about 2 us, and
+            # with more ranks than cores every call layer here costs several times its own
+            # time (each rank runs cache-cold after the context switches of the wait).
             try:
-                prim = self._direct.get((x.dtype, op))
+                run = self._direct.get((x.dtype, op))
             except TypeError:  # an unhashable op: the full path says what is wrong with it
-                prim = None
-            if prim is not None and x.flags.c_contiguous and not self._closed:
-                out = self._engine.results.take(x.dtype, x.size)
-                if self._engine.claim():
-                    return self._all_reduce_claimed(x, out, prim)
+                run = None
+            if run is not None and x.flags.c_contiguous:
+                engine = self._engine
+                if x.nbytes < _POOLED:
+                    out = np.empty(x.shape, x.dtype)
+                else:
+                    out = engine.results.take(x.dtype, x.size).reshape(x.shape)
+                if engine.claim():
+                    self._seq += 1
+                    try:
+                        run(x, out)
+                    except BaseException as exc:
+                        engine.poison(exc, f"all_reduce (op #{self._seq}) on {self._where}")
+                        raise
+                    finally:
+                        engine.release()
+                    return out
         c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
@@ -317,10 +348,11 @@ class ProcessGroup:
     def _learn_direct(self, c: _lower.Call, x: Any, op: Any) -> None:
         """Remember ``(x.dtype, op)`` for the direct path if a call like this one may take it.
 
-        The direct path is the lowering of ``all_reduce`` for a synchronous call on a
-        C-contiguous numpy array of a native dtype with a primitive op, written out in
-        :meth:`_all_reduce_claimed` without the layers that other calls need: at 8 bytes MPI
-        takes about 2 us, and the general path costs more than that in Python. The pair is
+        The direct path (the top of :meth:`all_reduce`) is the lowering of ``all_reduce``
+        for a synchronous call on a C-contiguous numpy array of a native dtype with a
+        primitive op, without the layers that other calls need: the engine is claimed and
+        the communicator's runner for that (dtype, op) called (``all_reduce_runner`` where
+        the communicator has one, else its ``all_reduce_out`` on flat views). The pair is
         remembered only once the general path has accepted it, so the direct path skips no
         argument check.
         """
@@ -330,26 +362,10 @@ class ProcessGroup:
         if rop in _lower.COMPOSED or not x.dtype.isnative:
             return
         with contextlib.suppress(TypeError):  # an unhashable op is never remembered
-            if len(self._direct) < _DIRECT_PAIRS:
-                self._direct[(x.dtype, op)] = rop
-                self._reduce_out = c.all_reduce_out
-
-    def _all_reduce_claimed(self, x: np.ndarray, out: np.ndarray, prim: ReduceOp) -> np.ndarray:
-        """The direct path of :meth:`all_reduce`, on the engine the caller claimed.
-
-        The engine's ``run_claimed`` written out: its label would be formatted on every call,
-        here only on failure.
-        """
-        engine = self._engine
-        self._seq += 1
-        try:
-            self._reduce_out(x if x.ndim == 1 else x.reshape(-1), out, prim)
-        except BaseException as exc:
-            engine.poison(exc, f"all_reduce (op #{self._seq}) on {self._where}")
-            raise
-        finally:
-            engine.release()
-        return out if x.ndim == 1 else out.reshape(x.shape)
+            if len(self._direct) < _DIRECT_PAIRS and (x.dtype, op) not in self._direct:
+                make = getattr(self._comm, "all_reduce_runner", None)
+                run = make(x.dtype, rop) if make is not None else None
+                self._direct[(x.dtype, op)] = run or _flat_runner(c.all_reduce_out, rop)
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -843,6 +859,7 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
+        self._direct.clear()  # the direct path does not check _closed
         if self._owns_engine:
             self._engine.close(f"the world group {self.name!r} was closed", self.timeout)
             self._comm.close()

@@ -215,6 +215,55 @@ def dtypes() -> list[str]:
 
 
 @case
+def direct_path() -> list[str]:
+    """Synchronous all_reduce's direct path (MPI's runner): shapes, dtypes, ops, pooled sizes."""
+    import ml_dtypes
+
+    import meshcomm
+
+    group = meshcomm.init(backend="mpi")
+    failures: list[str] = []
+    n, me = group.size, group.rank
+    shapes = [(7,), (2, 3), (), (0, 4), (300, 200)]  # 0-d, empty, and one pooled (>=128 KiB)
+    kinds = [
+        (np.dtype(np.float32), "sum", np.add),
+        (np.dtype(np.int64), "max", np.maximum),
+        (np.dtype(np.uint8), "band", np.bitwise_and),
+        (np.dtype(np.complex64), "prod", np.multiply),
+        (np.dtype(ml_dtypes.bfloat16), "sum", np.add),  # an MPI user-defined op
+    ]
+    try:
+        for dt, op, ufunc in kinds:
+            for shape in shapes:
+                size = int(np.prod(shape))
+                inputs = [
+                    ((np.arange(size) + 3 * r) % 5 + 1).astype(dt).reshape(shape) for r in range(n)
+                ]
+                expected = ufunc.reduce(np.stack(inputs), axis=0, dtype=dt)
+                x = inputs[me].copy()
+                for call in range(3):  # the first call teaches the direct path
+                    got = group.all_reduce(x, op)
+                    same = got.shape == shape and got.dtype == dt
+                    if not same or not np.array_equal(got, expected):
+                        failures.append(f"rank {me} {dt} {op} {shape} call {call}: {got!r}")
+                    if (size and np.shares_memory(got, x)) or not np.array_equal(x, inputs[me]):
+                        failures.append(f"rank {me} {dt} {op} {shape}: input shared or changed")
+        runners = {getattr(run, "__qualname__", "") for run in group._direct.values()}
+        if len(group._direct) != len(kinds) or not all("all_reduce_runner" in q for q in runners):
+            failures.append(f"rank {me}: direct path runners {runners} for {len(kinds)} kinds")
+        group.close()
+        try:
+            group.all_reduce(np.ones(3, np.float32))
+            failures.append(f"rank {me}: all_reduce on a closed group returned")
+        except meshcomm.errors.CommError as exc:
+            if "closed" not in str(exc):
+                failures.append(f"rank {me}: closed group: {exc}")
+        return failures
+    finally:
+        meshcomm.shutdown()
+
+
+@case
 def communicator() -> list[str]:
     """MpiCommunicator's own API: nonblocking twins, split, cart_subs, big tags, errors."""
     import meshcomm
@@ -457,6 +506,12 @@ def test_conformance_with_user_defined_ops_and_debug_fingerprints() -> None:
 def test_dtype_edge_cases_against_numpy(user_ops: str) -> None:
     results = run_case(3, "dtypes", env={"MESHCOMM_MPI_USER_OPS": user_ops})
     failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_all_reduce_direct_path_runs_on_mpi_runners(nprocs: int) -> None:
+    failures = [f for per_rank in run_case(nprocs, "direct_path") for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 
 

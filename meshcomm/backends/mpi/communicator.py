@@ -495,24 +495,45 @@ class MpiCommunicator(Communicator):
         ``MPI_Iallreduce(send, recv)``, as raw mpi4py's ``Allreduce(x, out)``: the group layer
         hands a synchronous call's input over as is, so nobody copies it first.
         """
-        red = self._reductions.get((send.dtype, op))
-        if red is None or type(send) is not np.ndarray or type(recv) is not np.ndarray:
-            self._run("all_reduce", self._start_all_reduce_out, send, recv, op)
-            return
-        if self._closed:
-            self._check("all_reduce")
-        request = None
-        try:
-            datatype = red.datatype
-            request = self.mpi_comm.Iallreduce([send, datatype], [recv, datatype], red.op)
-            if not request.Test():
-                poll(request.Test, self.timeout, self._patience, self._late_all_reduce)
-        except CommTimeout:
-            self._pending.append(([request], (send, recv)))
-            raise
-        except self._error_type as exc:
-            self._pending.append(([request], (send, recv)))
-            raise comm_error(exc, self._at("all_reduce")) from exc
+        self._run("all_reduce", self._start_all_reduce_out, send, recv, op)
+
+    def all_reduce_runner(
+        self, dtype: np.dtype, op: ReduceOp
+    ) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Return ``run(send, recv)``: :meth:`all_reduce_out` for host arrays of ``dtype``.
+
+        The group layer's direct path calls it for every synchronous ``all_reduce`` of that
+        (dtype, op): the MPI datatype and op are looked up once, here, and ``send`` and
+        ``recv`` may have any shape (both C-contiguous numpy arrays, the same shape): MPI
+        reads the count from the buffers.
+
+        Example:
+            A sketch (needs an MPI world)::
+
+                run = comm.all_reduce_runner(np.dtype(np.float32), ReduceOp.SUM)
+                out = np.empty_like(x)
+                run(x, out)  # out == the sum of every rank's x
+        """
+        red = self._reductions.get((dtype, op)) or self._reduction(dtype, op)
+        datatype, mpi_op = red.datatype, red.op
+        start = self.mpi_comm.Iallreduce
+        error_type = self._error_type
+
+        def run(send: np.ndarray, recv: np.ndarray) -> None:
+            request = None
+            try:
+                # [buffer, datatype]: mpi4py derives the count, faster than parsing a given one.
+                request = start([send, datatype], [recv, datatype], mpi_op)
+                if not request.Test():
+                    poll(request.Test, self.timeout, self._patience, self._late_all_reduce)
+            except CommTimeout:
+                self._pending.append(([request], (send, recv)))
+                raise
+            except error_type as exc:
+                self._pending.append(([request], (send, recv)))
+                raise comm_error(exc, self._at("all_reduce")) from exc
+
+        return run
 
     def _late_all_reduce(self) -> str:
         return self._late("all_reduce")
