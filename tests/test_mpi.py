@@ -609,7 +609,7 @@ def _open_mpi_python() -> str:
 @pytest.mark.parametrize(("nprocs", "name"), [(1, "conformance"), (2, "conformance"),
                                               (4, "conformance"), (8, "conformance"),
                                               (3, "dtypes"), (4, "communicator"),
-                                              (8, "mesh_groups")])  # fmt: skip
+                                              (8, "mesh_groups"), (3, "direct_path")])  # fmt: skip
 def test_open_mpi(nprocs: int, name: str) -> None:
     python = _open_mpi_python()
     failures = [f for per_rank in run_case(nprocs, name, python=python) for f in per_rank]
