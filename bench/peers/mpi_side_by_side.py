@@ -8,8 +8,9 @@ them (warm-up, barrier, mean of the timed iterations, slowest rank); the median 
 kept. meshcomm runs ``group.all_reduce(x)`` (functional: a fresh result each call); raw
 mpi4py runs ``comm.Allreduce(x, out)`` into a preallocated buffer, its best case.
 
-Rank 0 prints a table (time, busbw, meshcomm - raw in us, busbw ratio) and, with ``--json``,
-one JSON line of rows.
+Rank 0 prints a table (time, busbw, meshcomm - raw in us, busbw ratio, and the CPU time each
+rank spends per call: with more ranks than cores the cores are the bottleneck, and the wall
+time follows the CPU time of all ranks) and, with ``--json``, one JSON line of rows.
 """
 
 from __future__ import annotations
@@ -33,14 +34,19 @@ import meshcomm
 from meshcomm.bench import bus_factor, parse_size
 
 
-def _time(run: Callable[[], object], iters: int, barrier: Callable[[], None]) -> float:
+def _time(
+    run: Callable[[], object], iters: int, barrier: Callable[[], None]
+) -> tuple[float, float]:
+    """Seconds per call: wall time and this process's CPU time (user + system)."""
     for _ in range(3):
         run()
     barrier()
+    cpu = time.process_time()
     start = time.perf_counter()
     for _ in range(iters):
         run()
-    return (time.perf_counter() - start) / iters
+    wall = (time.perf_counter() - start) / iters
+    return wall, (time.process_time() - cpu) / iters
 
 
 def main() -> None:
@@ -61,6 +67,11 @@ def main() -> None:
     def slowest(seconds: float) -> float:
         return float(comm.allreduce(seconds, op=MPI.MAX))
 
+    def timed(run: Callable[[], object], iters: int) -> tuple[float, float]:
+        """(slowest rank's wall time, mean CPU time per rank) per call."""
+        wall, cpu = _time(run, iters, comm.Barrier)
+        return slowest(wall), float(comm.allreduce(cpu)) / world
+
     if args.op == "mesh":
         mesh_costs(group, comm, args.repeats, slowest)
         meshcomm.shutdown()
@@ -74,7 +85,7 @@ def main() -> None:
         comm.Allreduce(x, out)
         wrong = int(np.count_nonzero(got != expected)) + int(np.count_nonzero(out != expected))
         iters = iters_for(size)
-        raw_t, mc_t = [], []
+        raw_t, mc_t, raw_cpu, mc_cpu = [], [], [], []
 
         def raw_run(x: np.ndarray = x, out: np.ndarray = out) -> None:
             comm.Allreduce(x, out)
@@ -83,8 +94,10 @@ def main() -> None:
             group.all_reduce(x)
 
         for _ in range(args.repeats):
-            raw_t.append(slowest(_time(raw_run, iters, comm.Barrier)))
-            mc_t.append(slowest(_time(meshcomm_run, iters, comm.Barrier)))
+            for run, walls, cpus in ((raw_run, raw_t, raw_cpu), (meshcomm_run, mc_t, mc_cpu)):
+                wall, cpu = timed(run, iters)
+                walls.append(wall)
+                cpus.append(cpu)
         raw, mc = statistics.median(raw_t), statistics.median(mc_t)
         factor = bus_factor(args.op, world)
         rows.append(
@@ -98,6 +111,8 @@ def main() -> None:
                 "raw_busbw": size / raw / 1e9 * factor,
                 "meshcomm_busbw": size / mc / 1e9 * factor,
                 "busbw_ratio": raw / mc,
+                "raw_cpu_us": statistics.median(raw_cpu) * 1e6,
+                "meshcomm_cpu_us": statistics.median(mc_cpu) * 1e6,
                 "wrong": wrong,
             }
         )
@@ -106,16 +121,21 @@ def main() -> None:
             print(json.dumps(rows))
         else:
             print(f"# {args.op}, world {world}: raw mpi4py Allreduce vs meshcomm mpi backend")
-            print(f"# {args.repeats} alternating repeats per size, medians; busbw in GB/s")
+            print(
+                f"# {args.repeats} alternating repeats per size, medians; busbw in GB/s; "
+                "cpu: us of CPU per call, mean over ranks"
+            )
             print(
                 f"{'size':>10} {'raw(us)':>10} {'meshcomm(us)':>13} {'added(us)':>10} "
-                f"{'raw busbw':>10} {'mc busbw':>10} {'ratio':>6} {'#wrong':>7}"
+                f"{'raw busbw':>10} {'mc busbw':>10} {'ratio':>6} {'#wrong':>7} "
+                f"{'raw cpu':>8} {'mc cpu':>8}"
             )
             for r in rows:
                 print(
                     f"{r['size']:>10} {r['raw_us']:>10.1f} {r['meshcomm_us']:>13.1f} "
                     f"{r['added_us']:>10.1f} {r['raw_busbw']:>10.3f} {r['meshcomm_busbw']:>10.3f} "
-                    f"{r['busbw_ratio']:>6.2f} {r['wrong']:>7}"
+                    f"{r['busbw_ratio']:>6.2f} {r['wrong']:>7} "
+                    f"{r['raw_cpu_us']:>8.1f} {r['meshcomm_cpu_us']:>8.1f}"
                 )
     meshcomm.shutdown()
 
