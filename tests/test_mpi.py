@@ -416,6 +416,33 @@ def collective_timeout() -> str:
 
 
 @case
+def direct_path_timeout() -> list[str]:
+    """Rank 0 leaves after one all_reduce: the others' next one (the direct path) times out
+    naming all_reduce, and every later call refuses at once, naming the first failure."""
+    import meshcomm
+    from meshcomm.errors import CommError, CommTimeout
+
+    group = meshcomm.init(backend="mpi", timeout=2.0)
+    x = np.ones(4, np.float32)
+    group.all_reduce(x)  # teaches the direct path
+    if group.rank == 0:
+        time.sleep(0.5)
+        return ["skipped"]  # exits without shutdown: nothing may wait on it
+    start = time.monotonic()
+    try:
+        group.all_reduce(x)
+        return ["no error"]
+    except CommTimeout as exc:
+        seen = [f"CommTimeout after {time.monotonic() - start:.1f} s: {exc}"]
+    try:
+        group.all_reduce(x)
+        seen.append("second call: no error")
+    except CommError as exc:
+        seen.append(f"second call: {type(exc).__name__}: {exc}")
+    return seen
+
+
+@case
 def world_mismatch() -> str:
     from meshcomm.backends.mpi import MpiCommunicator
     from meshcomm.errors import RendezvousError
@@ -535,6 +562,17 @@ def test_a_missing_peer_is_a_timeout_not_a_hang() -> None:
         seconds = float(message.split()[2])
         assert seconds < 2.0 + 10.0, message
         assert "barrier" in message and "not complete after 2 s" in message
+
+
+def test_a_missing_peer_times_out_the_direct_path_too() -> None:
+    results = run_case(3, "direct_path_timeout", timeout=60)
+    assert results[0] == ["skipped"]
+    for timeout, refusal in results[1:]:
+        assert timeout.startswith("CommTimeout after"), timeout
+        assert float(timeout.split()[2]) < 2.0 + 10.0, timeout
+        assert "all_reduce" in timeout and "not complete after 2 s" in timeout, timeout
+        assert refusal.startswith("second call: CommError"), refusal
+        assert "failed earlier" in refusal and "all_reduce (op #2)" in refusal, refusal
 
 
 def test_compat_init_without_a_backend_uses_mpi_under_mpiexec() -> None:
