@@ -207,10 +207,11 @@ def blocks_view(x: np.ndarray, axis: int, size: int, tiled: bool) -> np.ndarray:
         array([1, 3])
     """
     if not tiled:
-        return np.moveaxis(x, axis, 0)
+        return x if axis == 0 else np.moveaxis(x, axis, 0)
     chunk = x.shape[axis] // size if size else 0
     split = x.reshape((*x.shape[:axis], size, chunk, *x.shape[axis + 1 :]))
-    return np.moveaxis(split, axis, 0)
+    # moveaxis costs microseconds of argument normalization; axis 0 needs no move.
+    return split if axis == 0 else np.moveaxis(split, axis, 0)
 
 
 def unstack(
@@ -235,6 +236,10 @@ def unstack(
                [1, 3]])
     """
     stacked = flat.reshape((size, *block_shape))
+    if axis == 0:  # the rank-major layout already is the result (the common case, no copy)
+        if tiled:
+            return flat.reshape((size * block_shape[0], *block_shape[1:]))
+        return stacked
     moved = np.moveaxis(stacked, 0, axis)
     if moved.flags.c_contiguous:  # no transpose needed: a view of ``flat``
         if tiled:

@@ -92,15 +92,12 @@ _POOLED = ResultPool.MIN_BYTES
 Runner = Callable[[np.ndarray, np.ndarray], None]
 
 
-def _flat_runner(
-    reduce_out: Callable[[np.ndarray, np.ndarray, ReduceOp], None], op: ReduceOp
-) -> Runner:
-    """A :data:`Runner` over a communicator's ``all_reduce_out``, which takes flat buffers."""
+def _flat_runner(primitive: Callable[..., None], *args: Any) -> Runner:
+    """A :data:`Runner` over a communicator primitive ``primitive(send, recv, *args)``
+    (``all_reduce_out``, ``all_gather``, ``reduce_scatter``), which takes flat buffers."""
 
     def run(send: np.ndarray, recv: np.ndarray) -> None:
-        if send.ndim != 1:
-            send, recv = send.reshape(-1), recv.reshape(-1)
-        reduce_out(send, recv, op)
+        primitive(send.reshape(-1), recv.reshape(-1), *args)
 
     return run
 
@@ -160,8 +157,11 @@ class ProcessGroup:
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
-        # (dtype, op as spelled) -> its runner, for all_reduce's direct path.
+        # Runners for the direct paths (see _learn_direct): all_reduce by (dtype, op as
+        # spelled), all_gather by dtype, reduce_scatter by (dtype, op as spelled).
         self._direct: dict[tuple[np.dtype, Any], Runner] = {}
+        self._direct_gather: dict[np.dtype, Runner] = {}
+        self._direct_scatter: dict[tuple[np.dtype, Any], Runner] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -324,20 +324,8 @@ class ProcessGroup:
             except TypeError:  # an unhashable op: the full path says what is wrong with it
                 run = None
             if run is not None and x.flags.c_contiguous:
-                engine = self._engine
-                if x.nbytes < _POOLED:
-                    out = np.empty(x.shape, x.dtype)
-                else:
-                    out = engine.results.take(x.dtype, x.size).reshape(x.shape)
-                if engine.claim():
-                    self._seq += 1
-                    try:
-                        run(x, out)
-                    except BaseException as exc:
-                        engine.poison(exc, f"all_reduce (op #{self._seq}) on {self._where}")
-                        raise
-                    finally:
-                        engine.release()
+                out = self._run_direct("all_reduce", run, x, x.shape, x.size)
+                if out is not None:
                     return out
         c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
@@ -368,6 +356,52 @@ class ProcessGroup:
                 run = make(x.dtype, rop) if make is not None else None
                 self._direct[(x.dtype, op)] = run or _flat_runner(c.all_reduce_out, rop)
 
+    def _learn_gather(self, x: Any) -> None:
+        """Remember ``x.dtype`` for all_gather's direct path (after the general path took it)."""
+        if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
+            return
+        if x.dtype not in self._direct_gather and len(self._direct_gather) < _DIRECT_PAIRS:
+            make = getattr(self._comm, "all_gather_runner", None)
+            run = make() if make is not None else _flat_runner(self._comm.all_gather)
+            self._direct_gather[x.dtype] = run
+
+    def _learn_scatter(self, c: _lower.Call, x: Any, op: Any) -> None:
+        """Remember ``(x.dtype, op)`` for reduce_scatter's direct path, as :meth:`_learn_direct`."""
+        if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
+            return
+        rop = _lower.reduce_op(c.where, op, x.dtype)
+        if rop in _lower.COMPOSED:
+            return
+        with contextlib.suppress(TypeError):  # an unhashable op is never remembered
+            key = (x.dtype, op)
+            if key not in self._direct_scatter and len(self._direct_scatter) < _DIRECT_PAIRS:
+                make = getattr(self._comm, "reduce_scatter_runner", None)
+                run = make(x.dtype, rop) if make is not None else None
+                self._direct_scatter[key] = run or _flat_runner(self._comm.reduce_scatter, rop)
+
+    def _run_direct(
+        self, name: str, run: Runner, x: np.ndarray, shape: tuple[int, ...], count: int
+    ) -> np.ndarray | None:
+        """A direct path's call: a fresh result of ``shape`` (``count`` elements of ``x``'s
+        dtype), filled by ``run(x, result)`` on the claimed engine. None: the engine is busy
+        (queued async work, another thread, a failed world): take the general path."""
+        engine = self._engine
+        if count * x.itemsize < _POOLED:
+            out = np.empty(shape, x.dtype)
+        else:
+            out = engine.results.take(x.dtype, count).reshape(shape)
+        if not engine.claim():
+            return None
+        self._seq += 1
+        try:
+            run(x, out)
+        except BaseException as exc:
+            engine.poison(exc, f"{name} (op #{self._seq}) on {self._where}")
+            raise
+        finally:
+            engine.release()
+        return out
+
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
     ) -> Any:
@@ -396,9 +430,20 @@ class ProcessGroup:
             >>> g.all_gather(x, axis=1).shape, g.all_gather(x, axis=1, tiled=True).shape
             ((2, 1, 3), (2, 3))
         """
+        if type(x) is np.ndarray and not async_op and type(axis) is int and axis == 0:
+            # Direct path: gathering at axis 0 is MPI's rank-major layout, nothing to move.
+            run = self._direct_gather.get(x.dtype)
+            if run is not None and x.flags.c_contiguous and (x.ndim or not tiled):
+                n = self.size
+                shape = (n * x.shape[0], *x.shape[1:]) if tiled else (n, *x.shape)
+                out = self._run_direct("all_gather", run, x, shape, n * x.size)
+                if out is not None:
+                    return out
         c = self._enter("all_gather")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
+        if dev is None and not async_op:
+            self._learn_gather(x)
         return self._issue("all_gather", lowered, async_op, dev)
 
     def reduce_scatter(
@@ -436,9 +481,30 @@ class ProcessGroup:
             >>> g.reduce_scatter(np.arange(4.0).reshape(1, 4), axis=0)
             array([0., 1., 2., 3.])
         """
+        if type(x) is np.ndarray and not async_op and factor is None and type(axis) is int:
+            # Direct path: scattering along axis 0 sends rank r's block from where it lies.
+            try:
+                run = self._direct_scatter.get((x.dtype, op)) if axis == 0 else None
+            except TypeError:  # an unhashable op: the full path says what is wrong with it
+                run = None
+            n, shape = self.size, x.shape
+            if run is not None and x.flags.c_contiguous and x.ndim:
+                if tiled and n and shape[0] % n == 0:
+                    block: tuple[int, ...] = (shape[0] // n, *shape[1:])
+                elif not tiled and shape[0] == n:
+                    block = shape[1:]
+                else:
+                    block = ()
+                    run = None  # an indivisible shape: the full path raises
+                if run is not None:
+                    out = self._run_direct("reduce_scatter", run, x, block, x.size // n)
+                    if out is not None:
+                        return out
         c = self._enter("reduce_scatter")
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
+        if dev is None and not async_op and factor is None:
+            self._learn_scatter(c, x, op)
         return self._issue("reduce_scatter", lowered, async_op, dev)
 
     def all_to_all(
@@ -860,7 +926,8 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
-        self._direct.clear()  # the direct path does not check _closed
+        for runners in (self._direct, self._direct_gather, self._direct_scatter):
+            runners.clear()  # the direct paths do not check _closed
         if self._owns_engine:
             self._engine.close(f"the world group {self.name!r} was closed", self.timeout)
             self._comm.close()

@@ -572,6 +572,59 @@ def test_all_reduce_direct_path_is_off_in_debug_mode() -> None:
     g.close()
 
 
+class _CountingSelf(SelfCommunicator):
+    """A world of one that counts all_gather / reduce_scatter calls."""
+
+    gathers = scatters = 0
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self.gathers += 1
+        super().all_gather(send, recv)
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        self.scatters += 1
+        super().reduce_scatter(send, recv, op)
+
+
+def test_gather_and_scatter_direct_paths_match_the_general_ones() -> None:
+    comm = _CountingSelf(timeout=10)
+    g = ProcessGroup(comm, name="world")
+    for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
+        for _ in range(3):  # the first call teaches the direct path, the others take it
+            got = g.all_gather(x)
+            assert got.shape == (1, *np.shape(x)) and not np.shares_memory(got, x)
+            np.testing.assert_array_equal(got[0], x)
+            if np.ndim(x):
+                got = g.all_gather(x, tiled=True)
+                assert got.shape == np.shape(x) and not np.shares_memory(got, x)
+                np.testing.assert_array_equal(got, x)
+                got = g.reduce_scatter(x, "max", tiled=True)
+                assert got.shape == np.shape(x) and not np.shares_memory(got, x)
+                np.testing.assert_array_equal(got, x)
+    assert g._direct_gather and g._direct_scatter
+    assert comm.gathers == 15 and comm.scatters == 6 and g.seq == 21
+    # What the direct paths leave to the general path: other axes, async, errors.
+    x = np.arange(6.0).reshape(3, 2)
+    assert g.all_gather(x, axis=1).shape == (3, 1, 2)
+    np.testing.assert_array_equal(g.all_gather(x, tiled=True, async_op=True).wait(10), x)
+    with pytest.raises(InvalidArgument, match="tiled all_gather needs at least 1 axis"):
+        g.all_gather(np.float64(1.0), tiled=True)
+    with pytest.raises(InvalidArgument):
+        g.reduce_scatter(x, "max")  # not tiled: axis 0 must equal the size (1)
+    g.close()
+    with pytest.raises(CommError, match="closed"):
+        g.all_gather(x, tiled=True)
+
+
+def test_gather_and_scatter_direct_paths_are_off_in_debug_mode() -> None:
+    g = ProcessGroup(_CountingSelf(timeout=10), name="world", debug=True)
+    for _ in range(3):
+        g.all_gather(np.ones(2), tiled=True)
+        g.reduce_scatter(np.ones(2), tiled=True)
+    assert not g._direct_gather and not g._direct_scatter
+    g.close()
+
+
 def test_result_pool_recycles_only_dropped_results() -> None:
     pool = ResultPool(max_bytes=64 << 20)
     dt = np.dtype(np.float32)

@@ -217,7 +217,8 @@ def dtypes() -> list[str]:
 
 @case
 def direct_path() -> list[str]:
-    """Synchronous all_reduce's direct path (MPI's runner): shapes, dtypes, ops, pooled sizes."""
+    """The direct paths of synchronous all_reduce, all_gather and reduce_scatter (MPI's
+    runners): shapes, dtypes, ops, pooled sizes, against numpy."""
     import ml_dtypes
 
     import meshcomm
@@ -249,9 +250,47 @@ def direct_path() -> list[str]:
                         failures.append(f"rank {me} {dt} {op} {shape} call {call}: {got!r}")
                     if (size and np.shares_memory(got, x)) or not np.array_equal(x, inputs[me]):
                         failures.append(f"rank {me} {dt} {op} {shape}: input shared or changed")
-        runners = {getattr(run, "__qualname__", "") for run in group._direct.values()}
-        if len(group._direct) != len(kinds) or not all("all_reduce_runner" in q for q in runners):
-            failures.append(f"rank {me}: direct path runners {runners} for {len(kinds)} kinds")
+        # all_gather and reduce_scatter at axis 0, tiled and stacked, on the same inputs.
+        for dt, op, ufunc in kinds:
+            for shape in [(n,), (2 * n, 3), (n, 0)]:
+                size = int(np.prod(shape))
+                inputs = [
+                    ((np.arange(size) + r) % 5 + 1).astype(dt).reshape(shape) for r in range(n)
+                ]
+                x = inputs[me].copy()
+                total = ufunc.reduce(np.stack(inputs), axis=0, dtype=dt)
+                for call in range(3):
+                    got = group.all_gather(x, tiled=True)
+                    if not np.array_equal(got, np.concatenate(inputs)) or got.dtype != dt:
+                        failures.append(f"rank {me} all_gather {dt} {shape} call {call}: {got!r}")
+                    got = group.all_gather(x)
+                    if not np.array_equal(got, np.stack(inputs)) or got.shape != (n, *shape):
+                        failures.append(f"rank {me} stacked all_gather {dt} {shape}: {got!r}")
+                    chunk = shape[0] // n
+                    got = group.reduce_scatter(x, op, tiled=True)
+                    want = total[me * chunk : (me + 1) * chunk]
+                    if not np.array_equal(got, want) or got.shape != want.shape:
+                        failures.append(f"rank {me} reduce_scatter {dt} {op} {shape}: {got!r}")
+                    if shape[0] == n:
+                        got = group.reduce_scatter(x, op)
+                        if not np.array_equal(got, total[me]) or got.shape != shape[1:]:
+                            failures.append(
+                                f"rank {me} stacked reduce_scatter {dt} {shape}: {got!r}"
+                            )
+                    if not np.array_equal(x, inputs[me]):
+                        failures.append(f"rank {me} {dt} {shape}: input changed")
+        if n > 1:  # an indivisible shape still gets the general path's error, before any I/O
+            try:
+                group.reduce_scatter(np.ones(n + 1, np.float32), tiled=True)
+                failures.append(f"rank {me}: indivisible reduce_scatter returned")
+            except meshcomm.errors.InvalidArgument:
+                pass
+        tables = (group._direct, group._direct_gather, group._direct_scatter)
+        runners = {getattr(r, "__qualname__", "") for t in tables for r in t.values()}
+        if [len(t) for t in tables] != [len(kinds)] * 3 or runners != {
+            "MpiCommunicator._runner.<locals>.run"
+        }:
+            failures.append(f"rank {me}: direct path runners {runners}, {[len(t) for t in tables]}")
         group.close()
         try:
             group.all_reduce(np.ones(3, np.float32))

@@ -515,23 +515,61 @@ class MpiCommunicator(Communicator):
                 run(x, out)  # out == the sum of every rank's x
         """
         red = self._reductions.get((dtype, op)) or self._reduction(dtype, op)
-        datatype, mpi_op = red.datatype, red.op
-        start = self.mpi_comm.Iallreduce
+        datatype, mpi_op, start = red.datatype, red.op, self.mpi_comm.Iallreduce
+
+        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
+            # [buffer, datatype]: mpi4py derives the count, faster than parsing a given one.
+            return start([send, datatype], [recv, datatype], mpi_op)
+
+        return self._runner("all_reduce", begin)
+
+    def all_gather_runner(self) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Return ``run(send, recv)``: :meth:`all_gather` for C-contiguous host arrays of any
+        shape, ``recv`` holding ``size`` times ``send``'s bytes (rank-major)."""
+        byte, start = self._mpi.BYTE, self.mpi_comm.Iallgather
+
+        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
+            count = send.nbytes
+            return start([send, count, byte], [recv, count, byte])
+
+        return self._runner("all_gather", begin)
+
+    def reduce_scatter_runner(
+        self, dtype: np.dtype, op: ReduceOp
+    ) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Return ``run(send, recv)``: :meth:`reduce_scatter` for C-contiguous host arrays of
+        ``dtype``, of any shape, ``send`` holding ``size`` times ``recv``'s elements."""
+        red = self._reductions.get((dtype, op)) or self._reduction(dtype, op)
+        datatype, mpi_op, start = red.datatype, red.op, self.mpi_comm.Ireduce_scatter_block
+
+        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
+            count = recv.size  # per block, as in MPI's call
+            return start([send, count, datatype], [recv, count, datatype], mpi_op)
+
+        return self._runner("reduce_scatter", begin)
+
+    def _runner(
+        self, what: str, begin: Callable[[np.ndarray, np.ndarray], Any]
+    ) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Wrap ``begin(send, recv) -> MPI request`` into a runner that completes it (poll,
+        timeout, MPI errors as meshcomm errors; buffers kept alive if it never completes)."""
         error_type = self._error_type
+
+        def late() -> str:
+            return self._late(what)
 
         def run(send: np.ndarray, recv: np.ndarray) -> None:
             request = None
             try:
-                # [buffer, datatype]: mpi4py derives the count, faster than parsing a given one.
-                request = start([send, datatype], [recv, datatype], mpi_op)
+                request = begin(send, recv)
                 if not request.Test():
-                    poll(request.Test, self.timeout, self._patience, self._late_all_reduce)
+                    poll(request.Test, self.timeout, self._patience, late)
             except CommTimeout:
                 self._pending.append(([request], (send, recv)))
                 raise
             except error_type as exc:
                 self._pending.append(([request], (send, recv)))
-                raise comm_error(exc, self._at("all_reduce")) from exc
+                raise comm_error(exc, self._at(what)) from exc
 
         return run
 
