@@ -279,6 +279,11 @@ def direct_path() -> list[str]:
                             )
                     if not np.array_equal(x, inputs[me]):
                         failures.append(f"rank {me} {dt} {shape}: input changed")
+        # broadcast: the root sends from its input and copies it in slices meanwhile.
+        for x in (np.arange(60000.0).reshape(300, 200), np.arange(700001).astype(np.int8)):
+            got = group.broadcast(x if me == n - 1 else np.zeros_like(x), n - 1)
+            if not np.array_equal(got, x) or got.dtype != x.dtype or np.shares_memory(got, x):
+                failures.append(f"rank {me} broadcast {x.dtype} {x.shape}: {got!r}")
         if n > 1:  # an indivisible shape still gets the general path's error, before any I/O
             try:
                 group.reduce_scatter(np.ones(n + 1, np.float32), tiled=True)

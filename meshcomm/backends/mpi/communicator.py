@@ -66,6 +66,7 @@ _SUB_TAG = 0x4D43
 _CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _FIXED = 4  # header words before the shape: magic, dtype code, tag, ndim
 _MAX_HEADER = _FIXED + 64  # numpy arrays have at most 64 axes
+_COPY_SLICE = 256 << 10  # bytes the broadcast root copies between MPI_Test calls
 _AT_START = Patience(0, True)  # before we know whether ranks share cores: nap, never hog
 
 
@@ -415,6 +416,16 @@ class MpiCommunicator(Communicator):
         data, back = self._device(buf, mine, not mine)
         return [self.mpi_comm.Ibcast(_nbytes(data), root)], back, (data,)
 
+    def _start_broadcast_copying(self, send: np.ndarray, recv: np.ndarray, root: int) -> Started:
+        root = self._peer(root, "broadcast root")
+        request = self.mpi_comm.Ibcast(_nbytes(send), root)
+        flat_send, flat_recv = send.reshape(-1), recv.reshape(-1)
+        step = max(1, _COPY_SLICE // max(1, send.itemsize))
+        for start in range(0, flat_send.size, step):
+            np.copyto(flat_recv[start : start + step], flat_send[start : start + step])
+            request.Test()  # keeps MPI moving while the root copies
+        return [request], None, (send,)
+
     def _start_reduce(self, buf: Any, root: int, op: ReduceOp) -> Started:
         root = self._peer(root, "reduce root")
         red = self._reductions.get((buf.dtype, op)) or self._reduction(buf.dtype, op)
@@ -587,6 +598,20 @@ class MpiCommunicator(Communicator):
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._run("broadcast", self._start_broadcast, buf, root)
+
+    def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        """Root's ``send`` into every rank's ``recv`` (root's too); ``send`` is only read.
+
+        The group layer calls it on the root of a synchronous broadcast: MPI sends from the
+        caller's array itself, and the root copies it into its own result in slices between
+        ``MPI_Test`` calls, so the copy overlaps the transfer instead of preceding it.
+        """
+        if send is None or self.rank != root or type(send) is not np.ndarray:
+            if send is not None and self.rank == root:
+                np.copyto(recv, send)
+            self._run("broadcast", self._start_broadcast, recv, root)
+            return
+        self._run("broadcast", self._start_broadcast_copying, send, recv, root)
 
     def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._run("reduce", self._start_reduce, buf, root, op)
