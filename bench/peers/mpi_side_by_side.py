@@ -49,9 +49,79 @@ def _time(
     return wall, (time.process_time() - cpu) / iters
 
 
+#: The raw mpi4py call each op is timed against (into preallocated buffers).
+_RAW_CALLS = {
+    "all_reduce": "Allreduce",
+    "all_gather": "Allgather",
+    "reduce_scatter": "Reduce_scatter_block",
+    "broadcast": "Bcast",
+}
+
+
+def _pair(
+    op: str, size: int, group: Any, comm: Any
+) -> tuple[Callable[[], object], Callable[[], object], int]:
+    """(raw run, meshcomm run, wrong elements in one checked call of each) for ``size``
+    bytes: all_reduce's and broadcast's vector, all_gather's output and reduce_scatter's
+    input (nccl-tests' sizes); all_gather and reduce_scatter are tiled, at axis 0."""
+    world, rank = comm.Get_size(), comm.Get_rank()
+    count = max(size // 4, world)
+    if op == "all_gather":
+        x = float32_input(count // world) + rank
+        out = np.empty(x.size * world, np.float32)
+        expected = np.concatenate([float32_input(count // world) + r for r in range(world)])
+
+        def raw() -> object:
+            return comm.Allgather(x, out)
+
+        def ours() -> object:
+            return group.all_gather(x, tiled=True)
+
+    elif op == "reduce_scatter":
+        x = float32_input(count - count % world)
+        out = np.empty(x.size // world, np.float32)
+        expected = (x * world)[rank * out.size : (rank + 1) * out.size]
+
+        def raw() -> object:
+            return comm.Reduce_scatter_block(x, out)
+
+        def ours() -> object:
+            return group.reduce_scatter(x, tiled=True)
+
+    elif op == "broadcast":
+        expected = float32_input(count)
+        x = expected.copy() if rank == 0 else np.zeros_like(expected)
+        # Each side its own buffer: alternating MPI_Bcast and meshcomm's MPI_Ibcast on one
+        # root buffer made the Ibcast 4-5x slower (MPICH; the same calls on separate
+        # buffers run at raw speed).
+        out = x.copy()
+
+        def raw() -> object:
+            return comm.Bcast(out, 0)
+
+        def ours() -> object:
+            return group.broadcast(x, 0)
+
+    else:
+        x = float32_input(count)
+        out = np.empty_like(x)
+        expected = x * world
+
+        def raw() -> object:
+            return comm.Allreduce(x, out)
+
+        def ours() -> object:
+            return group.all_reduce(x)
+
+    got = ours()
+    raw()
+    wrong = int(np.count_nonzero(got != expected)) + int(np.count_nonzero(out != expected))
+    return raw, ours, wrong
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("op", choices=["all_reduce", "mesh"])
+    p.add_argument("op", choices=[*_RAW_CALLS, "mesh"])
     p.add_argument("min_bytes", type=parse_size, nargs="?", default=8)
     p.add_argument("max_bytes", type=parse_size, nargs="?", default=parse_size("64M"))
     p.add_argument("--repeats", type=int, default=5)
@@ -78,21 +148,9 @@ def main() -> None:
         return
     rows = []
     for size in sizes(args.min_bytes, args.max_bytes):
-        x = float32_input(size // 4)
-        out = np.empty_like(x)
-        expected = x * world
-        got = group.all_reduce(x)
-        comm.Allreduce(x, out)
-        wrong = int(np.count_nonzero(got != expected)) + int(np.count_nonzero(out != expected))
+        raw_run, meshcomm_run, wrong = _pair(args.op, size, group, comm)
         iters = iters_for(size)
         raw_t, mc_t, raw_cpu, mc_cpu = [], [], [], []
-
-        def raw_run(x: np.ndarray = x, out: np.ndarray = out) -> None:
-            comm.Allreduce(x, out)
-
-        def meshcomm_run(x: np.ndarray = x) -> None:
-            group.all_reduce(x)
-
         for _ in range(args.repeats):
             for run, walls, cpus in ((raw_run, raw_t, raw_cpu), (meshcomm_run, mc_t, mc_cpu)):
                 wall, cpu = timed(run, iters)
@@ -120,7 +178,10 @@ def main() -> None:
         if args.json:
             print(json.dumps(rows))
         else:
-            print(f"# {args.op}, world {world}: raw mpi4py Allreduce vs meshcomm mpi backend")
+            print(
+                f"# {args.op}, world {world}: raw mpi4py {_RAW_CALLS[args.op]} vs meshcomm "
+                "mpi backend"
+            )
             print(
                 f"# {args.repeats} alternating repeats per size, medians; busbw in GB/s; "
                 "cpu: us of CPU per call, mean over ranks"
