@@ -265,9 +265,14 @@ def exit_without_goodbye(comm: TcpCommunicator, store: Any) -> str:
         return EXIT_NOW
     # The others keep working while rank 2's connections hit EOF: not an error for them...
     pair = comm.sub([0, 1])
-    buf = np.empty(1, np.int64)
-    for _ in range(15):  # the same count on both ranks, about 1.5 s in all
-        pair.all_reduce(buf, ReduceOp.SUM)
+    connected = np.empty(1, np.int64)
+    # Until both have seen rank 2 go (about 0.1 s; up to 30 s on a loaded machine): the
+    # sum makes both ranks leave the loop at the same call.
+    for _ in range(300):
+        connected[0] = int(2 in comm.transport.connected_peers)
+        pair.all_reduce(connected, ReduceOp.SUM)
+        if connected[0] == 0:
+            break
         time.sleep(0.1)
     pair.barrier()
     if 2 in comm.transport.connected_peers:
