@@ -27,7 +27,10 @@ that forces a transpose copy the result once more.
 Per-call cost: a group keeps one lowering context per operation name and the checks use
 small caches (accepted dtypes, accepted (op, dtype) pairs), so a small collective spends a
 few microseconds here above the communicator; every error still takes the full check and
-is raised before any I/O.
+is raised before any I/O. Synchronous ``all_reduce``, and ``all_gather`` /
+``reduce_scatter`` at axis 0, of C-contiguous numpy arrays take direct paths once a first
+call of the same kind passed the full checks: a fresh result, the claimed engine and the
+communicator's runner for that dtype (and op), about 1.5 us above MPI at world 1.
 
 Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
