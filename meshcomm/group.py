@@ -28,9 +28,10 @@ Per-call cost: a group keeps one lowering context per operation name and the che
 small caches (accepted dtypes, accepted (op, dtype) pairs), so a small collective spends a
 few microseconds here above the communicator; every error still takes the full check and
 is raised before any I/O. Synchronous ``all_reduce``, and ``all_gather`` /
-``reduce_scatter`` at axis 0, of C-contiguous numpy arrays take direct paths once a first
-call of the same kind passed the full checks: a fresh result, the claimed engine and the
-communicator's runner for that dtype (and op), about 1.5 us above MPI at world 1.
+``reduce_scatter`` / ``all_to_all`` at axis 0, of C-contiguous numpy arrays take direct
+paths once a first call of the same kind passed the full checks: a fresh result, the
+claimed engine and the communicator's runner for that dtype (and op), about 1.5 us above
+MPI at world 1.
 
 Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
@@ -160,11 +161,12 @@ class ProcessGroup:
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
-        # Runners for the direct paths (see _learn_direct): all_reduce by (dtype, op as
-        # spelled), all_gather by dtype, reduce_scatter by (dtype, op as spelled).
+        # Runners for the direct paths (see _learn_direct): all_reduce and reduce_scatter by
+        # (dtype, op as spelled), all_gather and all_to_all by dtype.
         self._direct: dict[tuple[np.dtype, Any], Runner] = {}
         self._direct_gather: dict[np.dtype, Runner] = {}
         self._direct_scatter: dict[tuple[np.dtype, Any], Runner] = {}
+        self._direct_a2a: dict[np.dtype, Runner] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -359,14 +361,14 @@ class ProcessGroup:
                 run = make(x.dtype, rop) if make is not None else None
                 self._direct[(x.dtype, op)] = run or _flat_runner(c.all_reduce_out, rop)
 
-    def _learn_gather(self, x: Any) -> None:
-        """Remember ``x.dtype`` for all_gather's direct path (after the general path took it)."""
+    def _learn_moving(self, name: str, table: dict[np.dtype, Runner], x: Any) -> None:
+        """Remember ``x.dtype`` for the direct path of ``name`` (all_gather, all_to_all: ops
+        that move bytes without reducing), after the general path took a call like this."""
         if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
             return
-        if x.dtype not in self._direct_gather and len(self._direct_gather) < _DIRECT_PAIRS:
-            make = getattr(self._comm, "all_gather_runner", None)
-            run = make() if make is not None else _flat_runner(self._comm.all_gather)
-            self._direct_gather[x.dtype] = run
+        if x.dtype not in table and len(table) < _DIRECT_PAIRS:
+            make = getattr(self._comm, f"{name}_runner", None)
+            table[x.dtype] = make() if make is not None else _flat_runner(getattr(self._comm, name))
 
     def _learn_scatter(self, c: _lower.Call, x: Any, op: Any) -> None:
         """Remember ``(x.dtype, op)`` for reduce_scatter's direct path, as :meth:`_learn_direct`."""
@@ -446,7 +448,7 @@ class ProcessGroup:
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
         if dev is None and not async_op:
-            self._learn_gather(x)
+            self._learn_moving("all_gather", self._direct_gather, x)
         return self._issue("all_gather", lowered, async_op, dev)
 
     def reduce_scatter(
@@ -546,9 +548,26 @@ class ProcessGroup:
             >>> g.all_to_all(np.arange(6).reshape(1, 6), split_axis=0, concat_axis=1).shape
             (6, 1)
         """
+        if (
+            type(x) is np.ndarray
+            and not async_op
+            and type(split_axis) is int
+            and type(concat_axis) is int
+            and split_axis == concat_axis == 0
+        ):
+            # Direct path: blocks along axis 0 are MPI's send and receive layout as they lie.
+            run = self._direct_a2a.get(x.dtype)
+            n = self.size
+            blocks_fit = x.ndim and (x.shape[0] % n == 0 if tiled else x.shape[0] == n)
+            if run is not None and blocks_fit and x.flags.c_contiguous:
+                out = self._run_direct("all_to_all", run, x, x.shape, x.size)
+                if out is not None:
+                    return out
         c = self._enter("all_to_all")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
+        if dev is None and not async_op:
+            self._learn_moving("all_to_all", self._direct_a2a, x)
         return self._issue("all_to_all", lowered, async_op, dev)
 
     def broadcast(
@@ -929,7 +948,7 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
-        for runners in (self._direct, self._direct_gather, self._direct_scatter):
+        for runners in (self._direct, self._direct_gather, self._direct_scatter, self._direct_a2a):
             runners.clear()  # the direct paths do not check _closed
         if self._owns_engine:
             self._engine.close(f"the world group {self.name!r} was closed", self.timeout)

@@ -573,9 +573,9 @@ def test_all_reduce_direct_path_is_off_in_debug_mode() -> None:
 
 
 class _CountingSelf(SelfCommunicator):
-    """A world of one that counts all_gather / reduce_scatter calls."""
+    """A world of one that counts all_gather / reduce_scatter / all_to_all calls."""
 
-    gathers = scatters = 0
+    gathers = scatters = exchanges = 0
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.gathers += 1
@@ -585,8 +585,12 @@ class _CountingSelf(SelfCommunicator):
         self.scatters += 1
         super().reduce_scatter(send, recv, op)
 
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self.exchanges += 1
+        super().all_to_all(send, recv)
 
-def test_gather_and_scatter_direct_paths_match_the_general_ones() -> None:
+
+def test_gather_scatter_and_all_to_all_direct_paths_match_the_general_ones() -> None:
     comm = _CountingSelf(timeout=10)
     g = ProcessGroup(comm, name="world")
     for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
@@ -601,8 +605,12 @@ def test_gather_and_scatter_direct_paths_match_the_general_ones() -> None:
                 got = g.reduce_scatter(x, "max", tiled=True)
                 assert got.shape == np.shape(x) and not np.shares_memory(got, x)
                 np.testing.assert_array_equal(got, x)
-    assert g._direct_gather and g._direct_scatter
-    assert comm.gathers == 15 and comm.scatters == 6 and g.seq == 21
+                got = g.all_to_all(x, 0, 0, tiled=True)
+                assert got.shape == np.shape(x) and not np.shares_memory(got, x)
+                np.testing.assert_array_equal(got, x)
+    assert g._direct_gather and g._direct_scatter and g._direct_a2a
+    assert comm.gathers == 15 and comm.scatters == 6 and comm.exchanges == 6 and g.seq == 27
+    assert g.all_to_all(np.ones((2, 1)), 1, 0).shape == (1, 2)  # other axes: general path
     # What the direct paths leave to the general path: other axes, async, errors.
     x = np.arange(6.0).reshape(3, 2)
     assert g.all_gather(x, axis=1).shape == (3, 1, 2)
@@ -616,12 +624,13 @@ def test_gather_and_scatter_direct_paths_match_the_general_ones() -> None:
         g.all_gather(x, tiled=True)
 
 
-def test_gather_and_scatter_direct_paths_are_off_in_debug_mode() -> None:
+def test_gather_scatter_and_all_to_all_direct_paths_are_off_in_debug_mode() -> None:
     g = ProcessGroup(_CountingSelf(timeout=10), name="world", debug=True)
     for _ in range(3):
         g.all_gather(np.ones(2), tiled=True)
         g.reduce_scatter(np.ones(2), tiled=True)
-    assert not g._direct_gather and not g._direct_scatter
+        g.all_to_all(np.ones(2), tiled=True)
+    assert not g._direct_gather and not g._direct_scatter and not g._direct_a2a
     g.close()
 
 

@@ -217,8 +217,8 @@ def dtypes() -> list[str]:
 
 @case
 def direct_path() -> list[str]:
-    """The direct paths of synchronous all_reduce, all_gather and reduce_scatter (MPI's
-    runners): shapes, dtypes, ops, pooled sizes, against numpy."""
+    """The direct paths of synchronous all_reduce, all_gather, reduce_scatter and all_to_all
+    (MPI's runners): shapes, dtypes, ops, pooled sizes, against numpy."""
     import ml_dtypes
 
     import meshcomm
@@ -271,7 +271,14 @@ def direct_path() -> list[str]:
                     want = total[me * chunk : (me + 1) * chunk]
                     if not np.array_equal(got, want) or got.shape != want.shape:
                         failures.append(f"rank {me} reduce_scatter {dt} {op} {shape}: {got!r}")
+                    got = group.all_to_all(x, 0, 0, tiled=True)
+                    want = np.concatenate([i[me * chunk : (me + 1) * chunk] for i in inputs])
+                    if not np.array_equal(got, want) or got.shape != shape:
+                        failures.append(f"rank {me} all_to_all {dt} {shape}: {got!r}")
                     if shape[0] == n:
+                        got = group.all_to_all(x, 0, 0)
+                        if not np.array_equal(got, np.stack([i[me] for i in inputs])):
+                            failures.append(f"rank {me} stacked all_to_all {dt} {shape}: {got!r}")
                         got = group.reduce_scatter(x, op)
                         if not np.array_equal(got, total[me]) or got.shape != shape[1:]:
                             failures.append(
@@ -290,9 +297,9 @@ def direct_path() -> list[str]:
                 failures.append(f"rank {me}: indivisible reduce_scatter returned")
             except meshcomm.errors.InvalidArgument:
                 pass
-        tables = (group._direct, group._direct_gather, group._direct_scatter)
+        tables = (group._direct, group._direct_gather, group._direct_scatter, group._direct_a2a)
         runners = {getattr(r, "__qualname__", "") for t in tables for r in t.values()}
-        if [len(t) for t in tables] != [len(kinds)] * 3 or runners != {
+        if [len(t) for t in tables] != [len(kinds)] * 4 or runners != {
             "MpiCommunicator._runner.<locals>.run"
         }:
             failures.append(f"rank {me}: direct path runners {runners}, {[len(t) for t in tables]}")

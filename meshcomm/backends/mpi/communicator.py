@@ -545,6 +545,17 @@ class MpiCommunicator(Communicator):
 
         return self._runner("all_gather", begin)
 
+    def all_to_all_runner(self) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Return ``run(send, recv)``: :meth:`all_to_all` for C-contiguous host arrays of any
+        shape, block ``j`` (``1/size`` of the bytes, rank-major) going to rank ``j``."""
+        byte, start, size = self._mpi.BYTE, self.mpi_comm.Ialltoall, self.size
+
+        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
+            count = send.nbytes // size
+            return start([send, count, byte], [recv, count, byte])
+
+        return self._runner("all_to_all", begin)
+
     def reduce_scatter_runner(
         self, dtype: np.dtype, op: ReduceOp
     ) -> Callable[[np.ndarray, np.ndarray], None]:
