@@ -236,11 +236,9 @@ def unstack(
                [1, 3]])
     """
     stacked = flat.reshape((size, *block_shape))
-    if axis == 0:  # the rank-major layout already is the result (the common case, no copy)
-        if tiled:
-            return flat.reshape((size * block_shape[0], *block_shape[1:]))
-        return stacked
-    moved = np.moveaxis(stacked, 0, axis)
+    # At axis 0 the rank-major layout already is the result; moveaxis would cost
+    # microseconds of argument normalization to move nothing.
+    moved = stacked if axis == 0 else np.moveaxis(stacked, 0, axis)
     if moved.flags.c_contiguous:  # no transpose needed: a view of ``flat``
         if tiled:
             return moved.reshape(

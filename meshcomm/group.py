@@ -85,25 +85,32 @@ ArrayLike = npt.ArrayLike
 OpLike = str | ReduceOp
 
 
-#: At most this many (dtype, op) pairs are remembered for all_reduce's direct path.
+#: At most this many dtypes or (dtype, op) pairs are remembered per direct path.
 _DIRECT_PAIRS = 64
 
 #: Results at least this large come from the world's ResultPool (recycled, no fresh pages).
 _POOLED = ResultPool.MIN_BYTES
 
-#: ``run(send, recv)``: all_reduce of one (dtype, op) from ``send`` into ``recv``, two
-#: C-contiguous arrays of the same shape.
+#: ``run(send, recv)``: one collective of one dtype (and op) from ``send`` into ``recv``,
+#: two C-contiguous arrays in the layout that collective has at axis 0.
 Runner = Callable[[np.ndarray, np.ndarray], None]
 
 
 def _flat_runner(primitive: Callable[..., None], *args: Any) -> Runner:
     """A :data:`Runner` over a communicator primitive ``primitive(send, recv, *args)``
-    (``all_reduce_out``, ``all_gather``, ``reduce_scatter``), which takes flat buffers."""
+    (``all_reduce_out``, ``all_gather``, ``reduce_scatter``, ``all_to_all``), which takes
+    flat buffers."""
 
     def run(send: np.ndarray, recv: np.ndarray) -> None:
         primitive(send.reshape(-1), recv.reshape(-1), *args)
 
     return run
+
+
+def _rank_blocks_fit(x: np.ndarray, size: int, tiled: bool) -> bool:
+    """Whether axis 0 of ``x`` splits into ``size`` rank blocks (reduce_scatter, all_to_all):
+    tiled, into equal chunks; not tiled, one index per rank."""
+    return x.ndim > 0 and (x.shape[0] % size == 0 if tiled else x.shape[0] == size)
 
 
 def _debug_from_env() -> bool:
@@ -161,9 +168,9 @@ class ProcessGroup:
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
-        # Runners for the direct paths (see _learn_direct): all_reduce and reduce_scatter by
-        # (dtype, op as spelled), all_gather and all_to_all by dtype.
-        self._direct: dict[tuple[np.dtype, Any], Runner] = {}
+        # Runners for the direct paths (see _learn_reducing, _learn_moving): all_reduce and
+        # reduce_scatter by (dtype, op as spelled), all_gather and all_to_all by dtype.
+        self._direct_reduce: dict[tuple[np.dtype, Any], Runner] = {}
         self._direct_gather: dict[np.dtype, Runner] = {}
         self._direct_scatter: dict[tuple[np.dtype, Any], Runner] = {}
         self._direct_a2a: dict[np.dtype, Runner] = {}
@@ -320,12 +327,12 @@ class ProcessGroup:
             array([3., 6.])
         """
         if type(x) is np.ndarray and not async_op and factor is None:
-            # The direct path (see _learn_direct), as lean as it gets: at 8 bytes MPI takes
+            # The direct path (see _learn_reducing), as lean as it gets: at 8 bytes MPI takes
             # about 1 us, and with more ranks than cores every call layer here costs several
             # times its own time (measured: 1.45 us of this Python at world 1 cost 11-16 us
             # of CPU per rank with 4 ranks on 2 cores).
             try:
-                run = self._direct.get((x.dtype, op))
+                run = self._direct_reduce.get((x.dtype, op))
             except TypeError:  # an unhashable op: the full path says what is wrong with it
                 run = None
             if run is not None and x.flags.c_contiguous:
@@ -336,30 +343,38 @@ class ProcessGroup:
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
         if dev is None and not async_op and factor is None:
-            self._learn_direct(c, x, op)
+            self._learn_reducing("all_reduce", self._direct_reduce, c, x, op, c.all_reduce_out)
         return self._issue("all_reduce", lowered, async_op, dev)
 
-    def _learn_direct(self, c: _lower.Call, x: Any, op: Any) -> None:
-        """Remember ``(x.dtype, op)`` for the direct path if a call like this one may take it.
+    def _learn_reducing(
+        self,
+        name: str,
+        table: dict[tuple[np.dtype, Any], Runner],
+        c: _lower.Call,
+        x: Any,
+        op: Any,
+        flat: Callable[..., None] | None,
+    ) -> None:
+        """Remember ``(x.dtype, op)`` for the direct path of ``name`` (all_reduce,
+        reduce_scatter) if a call like this one may take it.
 
-        The direct path (the top of :meth:`all_reduce`) is the lowering of ``all_reduce``
-        for a synchronous call on a C-contiguous numpy array of a native dtype with a
-        primitive op, without the layers that other calls need: the engine is claimed and
-        the communicator's runner for that (dtype, op) called (``all_reduce_runner`` where
-        the communicator has one, else its ``all_reduce_out`` on flat views). The pair is
-        remembered only once the general path has accepted it, so the direct path skips no
-        argument check.
+        A direct path (the top of those methods) is the lowering for a synchronous call on a
+        C-contiguous numpy array of a native dtype with a primitive op, without the layers
+        that other calls need: the engine is claimed and the communicator's runner for that
+        (dtype, op) called (``<name>_runner`` where the communicator has one, else ``flat``,
+        its primitive on flat views; None: no direct path). The pair is remembered only once
+        the general path has accepted it, so the direct path skips no argument check.
         """
-        if self._debug or c.all_reduce_out is None or type(x) is not np.ndarray:
+        if self._debug or flat is None or type(x) is not np.ndarray or not x.dtype.isnative:
             return
         rop = _lower.reduce_op(c.where, op, x.dtype)
-        if rop in _lower.COMPOSED or not x.dtype.isnative:
+        if rop in _lower.COMPOSED:
             return
         with contextlib.suppress(TypeError):  # an unhashable op is never remembered
-            if len(self._direct) < _DIRECT_PAIRS and (x.dtype, op) not in self._direct:
-                make = getattr(self._comm, "all_reduce_runner", None)
-                run = make(x.dtype, rop) if make is not None else None
-                self._direct[(x.dtype, op)] = run or _flat_runner(c.all_reduce_out, rop)
+            key = (x.dtype, op)
+            if key not in table and len(table) < _DIRECT_PAIRS:
+                make = getattr(self._comm, f"{name}_runner", None)
+                table[key] = make(x.dtype, rop) if make is not None else _flat_runner(flat, rop)
 
     def _learn_moving(self, name: str, table: dict[np.dtype, Runner], x: Any) -> None:
         """Remember ``x.dtype`` for the direct path of ``name`` (all_gather, all_to_all: ops
@@ -369,20 +384,6 @@ class ProcessGroup:
         if x.dtype not in table and len(table) < _DIRECT_PAIRS:
             make = getattr(self._comm, f"{name}_runner", None)
             table[x.dtype] = make() if make is not None else _flat_runner(getattr(self._comm, name))
-
-    def _learn_scatter(self, c: _lower.Call, x: Any, op: Any) -> None:
-        """Remember ``(x.dtype, op)`` for reduce_scatter's direct path, as :meth:`_learn_direct`."""
-        if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
-            return
-        rop = _lower.reduce_op(c.where, op, x.dtype)
-        if rop in _lower.COMPOSED:
-            return
-        with contextlib.suppress(TypeError):  # an unhashable op is never remembered
-            key = (x.dtype, op)
-            if key not in self._direct_scatter and len(self._direct_scatter) < _DIRECT_PAIRS:
-                make = getattr(self._comm, "reduce_scatter_runner", None)
-                run = make(x.dtype, rop) if make is not None else None
-                self._direct_scatter[key] = run or _flat_runner(self._comm.reduce_scatter, rop)
 
     def _run_direct(
         self, name: str, run: Runner, x: np.ndarray, shape: tuple[int, ...], count: int
@@ -486,30 +487,32 @@ class ProcessGroup:
             >>> g.reduce_scatter(np.arange(4.0).reshape(1, 4), axis=0)
             array([0., 1., 2., 3.])
         """
-        if type(x) is np.ndarray and not async_op and factor is None and type(axis) is int:
+        if (
+            type(x) is np.ndarray
+            and not async_op
+            and factor is None
+            and type(axis) is int
+            and axis == 0
+        ):
             # Direct path: scattering along axis 0 sends rank r's block from where it lies.
             try:
-                run = self._direct_scatter.get((x.dtype, op)) if axis == 0 else None
+                run = self._direct_scatter.get((x.dtype, op))
             except TypeError:  # an unhashable op: the full path says what is wrong with it
                 run = None
-            n, shape = self.size, x.shape
-            if run is not None and x.flags.c_contiguous and x.ndim:
-                if tiled and n and shape[0] % n == 0:
-                    block: tuple[int, ...] = (shape[0] // n, *shape[1:])
-                elif not tiled and shape[0] == n:
-                    block = shape[1:]
-                else:
-                    block = ()
-                    run = None  # an indivisible shape: the full path raises
-                if run is not None:
-                    out = self._run_direct("reduce_scatter", run, x, block, x.size // n)
-                    if out is not None:
-                        return out
+            n = self.size
+            if run is not None and _rank_blocks_fit(x, n, tiled) and x.flags.c_contiguous:
+                block = (x.shape[0] // n, *x.shape[1:]) if tiled else x.shape[1:]
+                out = self._run_direct("reduce_scatter", run, x, block, x.size // n)
+                if out is not None:
+                    return out
         c = self._enter("reduce_scatter")
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
         if dev is None and not async_op and factor is None:
-            self._learn_scatter(c, x, op)
+            comm = self._comm
+            self._learn_reducing(
+                "reduce_scatter", self._direct_scatter, c, x, op, comm.reduce_scatter
+            )
         return self._issue("reduce_scatter", lowered, async_op, dev)
 
     def all_to_all(
@@ -557,9 +560,7 @@ class ProcessGroup:
         ):
             # Direct path: blocks along axis 0 are MPI's send and receive layout as they lie.
             run = self._direct_a2a.get(x.dtype)
-            n = self.size
-            blocks_fit = x.ndim and (x.shape[0] % n == 0 if tiled else x.shape[0] == n)
-            if run is not None and blocks_fit and x.flags.c_contiguous:
+            if run is not None and _rank_blocks_fit(x, self.size, tiled) and x.flags.c_contiguous:
                 out = self._run_direct("all_to_all", run, x, x.shape, x.size)
                 if out is not None:
                     return out
@@ -948,7 +949,12 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
-        for runners in (self._direct, self._direct_gather, self._direct_scatter, self._direct_a2a):
+        for runners in (
+            self._direct_reduce,
+            self._direct_gather,
+            self._direct_scatter,
+            self._direct_a2a,
+        ):
             runners.clear()  # the direct paths do not check _closed
         if self._owns_engine:
             self._engine.close(f"the world group {self.name!r} was closed", self.timeout)

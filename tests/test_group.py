@@ -534,7 +534,7 @@ def test_all_reduce_direct_path_matches_the_general_one() -> None:
             assert got.shape == np.shape(x) and got.dtype == np.asarray(x).dtype
             assert not np.shares_memory(got, x)
             np.testing.assert_array_equal(got, x)
-    assert comm.calls == 9 and g.seq == 9 and g._direct
+    assert comm.calls == 9 and g.seq == 9 and g._direct_reduce
     # Issue order holds: behind queued work a synchronous call waits its turn.
     x = np.ones(4)
     gate, order = threading.Event(), []
@@ -568,7 +568,7 @@ def test_all_reduce_direct_path_is_off_in_debug_mode() -> None:
     g = ProcessGroup(comm, name="world", debug=True)
     for _ in range(3):
         g.all_reduce(np.ones(2))
-    assert not g._direct  # every call went through the fingerprint check
+    assert not g._direct_reduce  # every call went through the fingerprint check
     g.close()
 
 

@@ -297,7 +297,12 @@ def direct_path() -> list[str]:
                 failures.append(f"rank {me}: indivisible reduce_scatter returned")
             except meshcomm.errors.InvalidArgument:
                 pass
-        tables = (group._direct, group._direct_gather, group._direct_scatter, group._direct_a2a)
+        tables = (
+            group._direct_reduce,
+            group._direct_gather,
+            group._direct_scatter,
+            group._direct_a2a,
+        )
         runners = {getattr(r, "__qualname__", "") for t in tables for r in t.values()}
         if [len(t) for t in tables] != [len(kinds)] * 4 or runners != {
             "MpiCommunicator._runner.<locals>.run"

@@ -419,10 +419,9 @@ class MpiCommunicator(Communicator):
     def _start_broadcast_copying(self, send: np.ndarray, recv: np.ndarray, root: int) -> Started:
         root = self._peer(root, "broadcast root")
         request = self.mpi_comm.Ibcast(_nbytes(send), root)
-        flat_send, flat_recv = send.reshape(-1), recv.reshape(-1)
-        step = max(1, _COPY_SLICE // max(1, send.itemsize))
-        for start in range(0, flat_send.size, step):
-            np.copyto(flat_recv[start : start + step], flat_send[start : start + step])
+        src, dst = send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8)
+        for start in range(0, src.size, _COPY_SLICE):
+            dst[start : start + _COPY_SLICE] = src[start : start + _COPY_SLICE]
             request.Test()  # keeps MPI moving while the root copies
         return [request], None, (send,)
 
@@ -481,24 +480,9 @@ class MpiCommunicator(Communicator):
 
     # -- collectives: blocking -----------------------------------------------------------
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
-        red = self._reductions.get((buf.dtype, op))
-        if red is None or type(buf) is not np.ndarray or self._closed:
-            self._run("all_reduce", self._start_all_reduce, buf, op)
-            return
-        # The hottest path (a host buffer, a reduction seen before), inlined: at 8 bytes the
-        # whole MPI call costs about 2 us, so every Python call layer shows.
-        request = None
-        try:
-            # [buffer, datatype]: mpi4py derives the count, faster than parsing a given one.
-            request = self.mpi_comm.Iallreduce(self._mpi.IN_PLACE, [buf, red.datatype], red.op)
-            if not request.Test():
-                poll(request.Test, self.timeout, self._patience, self._late_all_reduce)
-        except CommTimeout:
-            self._pending.append(([request], (buf,)))
-            raise
-        except self._error_type as exc:
-            self._pending.append(([request], (buf,)))
-            raise comm_error(exc, self._at("all_reduce")) from exc
+        # Synchronous group calls take all_reduce_runner; this in-place form serves the
+        # general path (async snapshots, composed ops), where one layer more is noise.
+        self._run("all_reduce", self._start_all_reduce, buf, op)
 
     def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
         """Out of place: ``recv`` gets the reduction of every rank's ``send`` (unchanged).
@@ -595,9 +579,6 @@ class MpiCommunicator(Communicator):
 
         return run
 
-    def _late_all_reduce(self) -> str:
-        return self._late("all_reduce")
-
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._run("all_gather", self._start_all_gather, send, recv)
 
@@ -617,12 +598,10 @@ class MpiCommunicator(Communicator):
         caller's array itself, and the root copies it into its own result in slices between
         ``MPI_Test`` calls, so the copy overlaps the transfer instead of preceding it.
         """
-        if send is None or self.rank != root or type(send) is not np.ndarray:
-            if send is not None and self.rank == root:
-                np.copyto(recv, send)
+        if send is None or self.rank != root:
             self._run("broadcast", self._start_broadcast, recv, root)
-            return
-        self._run("broadcast", self._start_broadcast_copying, send, recv, root)
+        else:
+            self._run("broadcast", self._start_broadcast_copying, send, recv, root)
 
     def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._run("reduce", self._start_reduce, buf, root, op)
