@@ -27,11 +27,11 @@ that forces a transpose copy the result once more.
 Per-call cost: a group keeps one lowering context per operation name and the checks use
 small caches (accepted dtypes, accepted (op, dtype) pairs), so a small collective spends a
 few microseconds here above the communicator; every error still takes the full check and
-is raised before any I/O. Synchronous ``all_reduce``, and ``all_gather`` /
-``reduce_scatter`` / ``all_to_all`` at axis 0, of C-contiguous numpy arrays take direct
-paths once a first call of the same kind passed the full checks: a fresh result, the
-claimed engine and the communicator's runner for that dtype (and op), about 1.5 us above
-MPI at world 1.
+is raised before any I/O. Synchronous ``all_reduce``, ``all_gather`` /
+``reduce_scatter`` / ``all_to_all`` at axis 0, and ``broadcast`` with an array on every
+rank, of C-contiguous numpy arrays take direct paths once a first call of the same kind
+passed the full checks: a fresh result, the claimed engine and the communicator's runner
+for that dtype (and op, or root), about 1.5 us above MPI at world 1.
 
 Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
@@ -169,11 +169,13 @@ class ProcessGroup:
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
         # Runners for the direct paths (see _learn_reducing, _learn_moving): all_reduce and
-        # reduce_scatter by (dtype, op as spelled), all_gather and all_to_all by dtype.
+        # reduce_scatter by (dtype, op as spelled), all_gather and all_to_all by dtype,
+        # broadcast by (dtype, root).
         self._direct_reduce: dict[tuple[np.dtype, Any], Runner] = {}
-        self._direct_gather: dict[np.dtype, Runner] = {}
+        self._direct_gather: dict[Any, Runner] = {}
         self._direct_scatter: dict[tuple[np.dtype, Any], Runner] = {}
-        self._direct_a2a: dict[np.dtype, Runner] = {}
+        self._direct_a2a: dict[Any, Runner] = {}
+        self._direct_bcast: dict[Any, Runner] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -376,14 +378,28 @@ class ProcessGroup:
                 make = getattr(self._comm, f"{name}_runner", None)
                 table[key] = make(x.dtype, rop) if make is not None else _flat_runner(flat, rop)
 
-    def _learn_moving(self, name: str, table: dict[np.dtype, Runner], x: Any) -> None:
-        """Remember ``x.dtype`` for the direct path of ``name`` (all_gather, all_to_all: ops
-        that move bytes without reducing), after the general path took a call like this."""
+    def _learn_moving(
+        self,
+        name: str,
+        table: dict[Any, Runner],
+        x: Any,
+        *args: Any,
+        flat: Callable[..., None] | None = None,
+    ) -> None:
+        """Remember ``x.dtype`` for the direct path of ``name`` (all_gather, all_to_all,
+        broadcast: ops that move bytes without reducing), after the general path took a call
+        like this. ``args`` (broadcast's root) go to the runner and into the key,
+        ``(x.dtype, *args)``; the runner is the communicator's ``<name>_runner(*args)``, else
+        ``flat`` (default: the primitive ``<name>``) on flat views."""
         if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
             return
-        if x.dtype not in table and len(table) < _DIRECT_PAIRS:
+        key = (x.dtype, *args) if args else x.dtype
+        if key not in table and len(table) < _DIRECT_PAIRS:
             make = getattr(self._comm, f"{name}_runner", None)
-            table[x.dtype] = make() if make is not None else _flat_runner(getattr(self._comm, name))
+            if make is not None:
+                table[key] = make(*args)
+            else:
+                table[key] = _flat_runner(flat or getattr(self._comm, name), *args)
 
     def _run_direct(
         self, name: str, run: Runner, x: np.ndarray, shape: tuple[int, ...], count: int
@@ -603,9 +619,32 @@ class ProcessGroup:
             >>> g.broadcast(np.arange(3), root=0)
             array([0, 1, 2])
         """
+        if (
+            type(x) is np.ndarray
+            and not async_op
+            and type(root) is int
+            and shape is None
+            and dtype is None
+        ):
+            # Direct path: root sends from where x lies; the others receive into the result.
+            run = self._direct_bcast.get((x.dtype, root))
+            if run is not None and x.flags.c_contiguous:
+                out = self._run_direct("broadcast", run, x, x.shape, x.size)
+                if out is not None:
+                    return out
         c = self._enter("broadcast")
         x, dev = _staging.to_host(x)
         lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
+        flat = c.broadcast_out
+        if (
+            dev is None
+            and not async_op
+            and flat is not None
+            and type(root) is int
+            and shape is None
+            and dtype is None
+        ):
+            self._learn_moving("broadcast", self._direct_bcast, x, root, flat=flat)
         return self._issue("broadcast", lowered, async_op, dev)
 
     def reduce(
@@ -954,6 +993,7 @@ class ProcessGroup:
             self._direct_gather,
             self._direct_scatter,
             self._direct_a2a,
+            self._direct_bcast,
         ):
             runners.clear()  # the direct paths do not check _closed
         if self._owns_engine:

@@ -573,9 +573,10 @@ def test_all_reduce_direct_path_is_off_in_debug_mode() -> None:
 
 
 class _CountingSelf(SelfCommunicator):
-    """A world of one that counts all_gather / reduce_scatter / all_to_all calls."""
+    """A world of one that counts all_gather / reduce_scatter / all_to_all / broadcast_out
+    calls."""
 
-    gathers = scatters = exchanges = 0
+    gathers = scatters = exchanges = broadcasts = 0
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.gathers += 1
@@ -588,6 +589,11 @@ class _CountingSelf(SelfCommunicator):
     def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.exchanges += 1
         super().all_to_all(send, recv)
+
+    def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        self.broadcasts += 1
+        if send is not None:  # this rank is the root (the only rank)
+            np.copyto(recv, send)
 
 
 def test_gather_scatter_and_all_to_all_direct_paths_match_the_general_ones() -> None:
@@ -632,6 +638,41 @@ def test_gather_scatter_and_all_to_all_direct_paths_are_off_in_debug_mode() -> N
         g.all_to_all(np.ones(2), tiled=True)
     assert not g._direct_gather and not g._direct_scatter and not g._direct_a2a
     g.close()
+
+
+def test_broadcast_direct_path_matches_the_general_one() -> None:
+    comm = _CountingSelf(timeout=10)
+    g = ProcessGroup(comm, name="world")
+    for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
+        for _ in range(3):  # the first call teaches the direct path, the others take it
+            got = g.broadcast(x, 0)
+            assert got.shape == np.shape(x) and got.dtype == np.asarray(x).dtype
+            assert not np.shares_memory(got, x)
+            np.testing.assert_array_equal(got, x)
+    assert set(g._direct_bcast) == {(np.dtype(np.int32), 0), (np.dtype(np.float64), 0)}
+    assert comm.broadcasts == 9 and g.seq == 9
+    # What the direct path leaves to the general path: a root spelled otherwise, shape and
+    # dtype given, async, strided inputs, errors.
+    x = np.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(g.broadcast(x, np.int64(0)), x)
+    np.testing.assert_array_equal(g.broadcast(x, 0, shape=(2, 3), dtype=np.float64), x)
+    np.testing.assert_array_equal(g.broadcast(x[:, ::2], 0), x[:, ::2])
+    work = g.broadcast(x, 0, async_op=True)
+    x[...] = -1  # async snapshots the input when issued
+    np.testing.assert_array_equal(work.wait(10), np.arange(6.0).reshape(2, 3))
+    with pytest.raises(InvalidArgument, match="root must be in"):
+        g.broadcast(x, 1)
+    with pytest.raises(InvalidArgument, match="must pass the array"):
+        g.broadcast(None, 0, shape=(2,), dtype=np.float64)
+    assert len(g._direct_bcast) == 2 and g.seq == 13
+    g.close()
+    with pytest.raises(CommError, match="closed"):
+        g.broadcast(x, 0)
+    debug = ProcessGroup(_CountingSelf(timeout=10), name="world", debug=True)
+    for _ in range(3):
+        debug.broadcast(np.ones(2), 0)
+    assert not debug._direct_bcast  # every call went through the fingerprint check
+    debug.close()
 
 
 def test_result_pool_recycles_only_dropped_results() -> None:

@@ -217,8 +217,8 @@ def dtypes() -> list[str]:
 
 @case
 def direct_path() -> list[str]:
-    """The direct paths of synchronous all_reduce, all_gather, reduce_scatter and all_to_all
-    (MPI's runners): shapes, dtypes, ops, pooled sizes, against numpy."""
+    """The direct paths of synchronous all_reduce, all_gather, reduce_scatter, all_to_all and
+    broadcast (MPI's runners): shapes, dtypes, ops, roots, pooled sizes, against numpy."""
     import ml_dtypes
 
     import meshcomm
@@ -286,11 +286,26 @@ def direct_path() -> list[str]:
                             )
                     if not np.array_equal(x, inputs[me]):
                         failures.append(f"rank {me} {dt} {shape}: input changed")
-        # broadcast: the root sends from its input and copies it in slices meanwhile.
-        for x in (np.arange(60000.0).reshape(300, 200), np.arange(700001).astype(np.int8)):
-            got = group.broadcast(x if me == n - 1 else np.zeros_like(x), n - 1)
-            if not np.array_equal(got, x) or got.dtype != x.dtype or np.shares_memory(got, x):
-                failures.append(f"rank {me} broadcast {x.dtype} {x.shape}: {got!r}")
+        # broadcast from the first and the last rank: the root sends from its input and
+        # copies it into its result meanwhile (in slices once it is large); the others'
+        # arrays give only the shape.
+        bcast_keys = set()
+        for dt, _, _ in kinds:
+            for shape in [(7,), (2, 3), (), (0, 4), (300, 200), (700001,)]:
+                size = int(np.prod(shape))
+                x = ((np.arange(size) * 7) % 11).astype(dt).reshape(shape)
+                for root in {0, n - 1}:
+                    bcast_keys.add((dt, root))
+                    mine = x.copy() if me == root else np.zeros_like(x)
+                    for call in range(3):
+                        got = group.broadcast(mine, root)
+                        same = got.shape == shape and got.dtype == dt
+                        if not same or not np.array_equal(got, x) or np.shares_memory(got, mine):
+                            failures.append(
+                                f"rank {me} broadcast {dt} {shape} root {root} call {call}: {got!r}"
+                            )
+                    if me == root and not np.array_equal(mine, x):
+                        failures.append(f"rank {me} broadcast {dt} {shape}: root's input changed")
         if n > 1:  # an indivisible shape still gets the general path's error, before any I/O
             try:
                 group.reduce_scatter(np.ones(n + 1, np.float32), tiled=True)
@@ -302,9 +317,10 @@ def direct_path() -> list[str]:
             group._direct_gather,
             group._direct_scatter,
             group._direct_a2a,
+            group._direct_bcast,
         )
         runners = {getattr(r, "__qualname__", "") for t in tables for r in t.values()}
-        if [len(t) for t in tables] != [len(kinds)] * 4 or runners != {
+        if [len(t) for t in tables] != [len(kinds)] * 4 + [len(bcast_keys)] or runners != {
             "MpiCommunicator._runner.<locals>.run"
         }:
             failures.append(f"rank {me}: direct path runners {runners}, {[len(t) for t in tables]}")

@@ -74,6 +74,19 @@ def _nbytes(buf: Any) -> list[Any]:
     return [buf, int(buf.nbytes), load().BYTE]
 
 
+def _copy_while_sending(request: Any, send: np.ndarray, recv: np.ndarray) -> None:
+    """Copy ``send`` into ``recv`` (C-contiguous, the same shape and dtype) in slices, testing the
+    broadcast ``request`` that sends ``send`` between them: the root's own copy overlaps the
+    transfer instead of preceding it."""
+    if send.nbytes <= _COPY_SLICE:
+        np.copyto(recv, send)
+        return
+    src, dst = send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8)
+    for start in range(0, src.size, _COPY_SLICE):
+        dst[start : start + _COPY_SLICE] = src[start : start + _COPY_SLICE]
+        request.Test()  # keeps MPI moving while the root copies
+
+
 class MpiCommunicator(Communicator):
     """A communicator over an MPI communicator (``MPI.COMM_WORLD`` for the world).
 
@@ -419,10 +432,7 @@ class MpiCommunicator(Communicator):
     def _start_broadcast_copying(self, send: np.ndarray, recv: np.ndarray, root: int) -> Started:
         root = self._peer(root, "broadcast root")
         request = self.mpi_comm.Ibcast(_nbytes(send), root)
-        src, dst = send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8)
-        for start in range(0, src.size, _COPY_SLICE):
-            dst[start : start + _COPY_SLICE] = src[start : start + _COPY_SLICE]
-            request.Test()  # keeps MPI moving while the root copies
+        _copy_while_sending(request, send, recv)
         return [request], None, (send,)
 
     def _start_reduce(self, buf: Any, root: int, op: ReduceOp) -> Started:
@@ -553,6 +563,40 @@ class MpiCommunicator(Communicator):
             return start([send, count, datatype], [recv, count, datatype], mpi_op)
 
         return self._runner("reduce_scatter", begin)
+
+    def broadcast_runner(self, root: int) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Return ``run(send, recv)``: :meth:`broadcast_out` from group rank ``root`` for
+        C-contiguous host arrays of any shape, ``send`` and ``recv`` the same bytes.
+
+        On root, MPI sends from ``send`` while root copies it into ``recv``; elsewhere
+        ``recv`` receives and ``send`` is not read.
+
+        Raises:
+            InvalidArgument: ``root`` is not a rank of this communicator.
+
+        Example:
+            A sketch (needs an MPI world)::
+
+                run = comm.broadcast_runner(0)
+                out = np.empty_like(x)
+                run(x, out)  # out == rank 0's x, on every rank
+        """
+        root = self._peer(root, "broadcast root")
+        byte, start = self._mpi.BYTE, self.mpi_comm.Ibcast
+        begin: Callable[[np.ndarray, np.ndarray], Any]
+        if self.rank == root:
+
+            def begin(send: np.ndarray, recv: np.ndarray) -> Any:
+                request = start([send, send.nbytes, byte], root)
+                _copy_while_sending(request, send, recv)
+                return request
+
+        else:
+
+            def begin(send: np.ndarray, recv: np.ndarray) -> Any:
+                return start([recv, recv.nbytes, byte], root)
+
+        return self._runner("broadcast", begin)
 
     def _runner(
         self, what: str, begin: Callable[[np.ndarray, np.ndarray], Any]
