@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import threading
 from collections import namedtuple
 from collections.abc import Iterator
@@ -112,6 +113,35 @@ def test_world_of_one_shapes(mesh: DeviceMesh) -> None:
     assert ops.psum_scatter(np.ones((3, 1)), "tp", scatter_dimension=-1, mesh=mesh).shape == (3,)
     assert ops.all_to_all(np.ones((1, 3)), "tp", 0, 1, mesh=mesh).shape == (3, 1)
     assert ops.all_to_all(np.ones((2, 3)), "tp", 1, 0, tiled=True, mesh=mesh).shape == (2, 3)
+
+
+def test_reductions_of_one_numeric_array_go_straight_to_the_group(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshcomm.reduction import ReduceOp
+
+    group = mesh.get_group("tp")
+    seen: list[tuple[bool, Any, dict[str, Any]]] = []
+    real = group.all_reduce
+
+    def spy(arr: Any, op: Any = "sum", **kwargs: Any) -> Any:
+        seen.append((arr is x, op, kwargs))
+        return real(arr, op, **kwargs)
+
+    monkeypatch.setattr(group, "all_reduce", spy)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = ops.psum(x, "tp", mesh=mesh)
+    assert out.dtype == np.float32 and not np.shares_memory(out, x)
+    np.testing.assert_array_equal(out, x)
+    assert seen == [(True, ReduceOp.SUM, {})]  # the caller's array, no factor, synchronous
+    # What the kernel still handles gives the same results and the ops' own messages.
+    assert ops.psum(x.astype(">f4"), "tp", mesh=mesh).dtype == np.float32
+    assert ops.psum(x.astype(ml_dtypes.bfloat16), "tp", mesh=mesh).dtype == ml_dtypes.bfloat16
+    named = re.escape("psum over 'tp' (size 1) on rank 0: dtype float128")
+    with pytest.raises(TypeError, match=named):
+        ops.psum(np.ones(2, np.longdouble), "tp", mesh=mesh)
+    with pytest.raises(TypeError, match=r"pmax over 'tp'.*no order"):
+        ops.pmax(np.ones(2, np.complex64), "tp", mesh=mesh)
 
 
 def test_jax_dtype_rules(mesh: DeviceMesh) -> None:

@@ -102,6 +102,17 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 _INEXACT_ONLY = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
 
+#: Native-order dtypes a reduction takes as they are (bool, bfloat16 and byte-swapped arrays
+#: go through the kernel, which converts or names them in its errors).
+_NUMERIC = frozenset(
+    np.dtype(t)
+    for t in (
+        np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+        np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    )
+)  # fmt: skip
+
+
 def _allowed(op: ReduceOp, kind: str) -> bool:
     """A cheap pre-check of ``check_op_dtype`` (which formats names: slow on a hot path)."""
     if op in _ORDERED:
@@ -126,6 +137,20 @@ def _reduce(
     mean: bool = False,
 ) -> Any:
     axis = resolve(axis_name, mesh, name)
+    if factor is None and not async_op and type(x) is np.ndarray:
+        # The commonest call, one numeric numpy array and a plain op, needs none of the
+        # kernel's work (no bool or int-mean casts, no finish): straight to the group, whose
+        # direct path takes it. Anything else, errors included, takes the kernel below.
+        kind = x.dtype.kind
+        if (
+            x.dtype in _NUMERIC
+            and op is not ReduceOp.PREMUL_SUM
+            and not (mean and kind in "iu")
+            and _allowed(op, kind)
+        ):
+            group = axis.group()
+            if group is not None:
+                return group.all_reduce(x, op)
     if factor is None:
         # Kernels without a factor are stateless: one per (op, size, flavour), reused.
         key = (op, axis.size, jax_bool, mean)
