@@ -45,6 +45,7 @@ __all__ = [
     "copy_into",
     "dtype_name",
     "normalize_shape",
+    "rank_blocks_fit",
     "unstack",
 ]
 
@@ -192,6 +193,17 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> np.ndarray:
     """
     np.copyto(dst.reshape(src.shape), src)
     return dst
+
+
+def rank_blocks_fit(x: Any, size: int, tiled: bool) -> bool:
+    """Whether axis 0 of ``x`` splits into ``size`` rank blocks (reduce_scatter, all_to_all):
+    tiled, into equal chunks; not tiled, one index per rank.
+
+    Example:
+        >>> rank_blocks_fit(np.ones((4, 3)), 2, tiled=True), rank_blocks_fit(np.ones(3), 2, False)
+        (True, False)
+    """
+    return x.ndim > 0 and (x.shape[0] % size == 0 if tiled else x.shape[0] == size)
 
 
 def blocks_view(x: np.ndarray, axis: int, size: int, tiled: bool) -> np.ndarray:

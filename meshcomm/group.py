@@ -70,7 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshcomm import _fingerprint, _lower, _staging
-from meshcomm._arrays import ResultPool
+from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
@@ -105,12 +105,6 @@ def _flat_runner(primitive: Callable[..., None], *args: Any) -> Runner:
         primitive(send.reshape(-1), recv.reshape(-1), *args)
 
     return run
-
-
-def _rank_blocks_fit(x: np.ndarray, size: int, tiled: bool) -> bool:
-    """Whether axis 0 of ``x`` splits into ``size`` rank blocks (reduce_scatter, all_to_all):
-    tiled, into equal chunks; not tiled, one index per rank."""
-    return x.ndim > 0 and (x.shape[0] % size == 0 if tiled else x.shape[0] == size)
 
 
 def _debug_from_env() -> bool:
@@ -516,7 +510,7 @@ class ProcessGroup:
             except TypeError:  # an unhashable op: the full path says what is wrong with it
                 run = None
             n = self.size
-            if run is not None and _rank_blocks_fit(x, n, tiled) and x.flags.c_contiguous:
+            if run is not None and rank_blocks_fit(x, n, tiled) and x.flags.c_contiguous:
                 block = (x.shape[0] // n, *x.shape[1:]) if tiled else x.shape[1:]
                 out = self._run_direct("reduce_scatter", run, x, block, x.size // n)
                 if out is not None:
@@ -576,7 +570,7 @@ class ProcessGroup:
         ):
             # Direct path: blocks along axis 0 are MPI's send and receive layout as they lie.
             run = self._direct_a2a.get(x.dtype)
-            if run is not None and _rank_blocks_fit(x, self.size, tiled) and x.flags.c_contiguous:
+            if run is not None and rank_blocks_fit(x, self.size, tiled) and x.flags.c_contiguous:
                 out = self._run_direct("all_to_all", run, x, x.shape, x.size)
                 if out is not None:
                     return out

@@ -115,25 +115,42 @@ def test_world_of_one_shapes(mesh: DeviceMesh) -> None:
     assert ops.all_to_all(np.ones((2, 3)), "tp", 1, 0, tiled=True, mesh=mesh).shape == (2, 3)
 
 
-def test_reductions_of_one_numeric_array_go_straight_to_the_group(
+def test_one_array_at_axis_0_goes_straight_to_the_group(
     mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshcomm.reduction import ReduceOp
 
     group = mesh.get_group("tp")
-    seen: list[tuple[bool, Any, dict[str, Any]]] = []
-    real = group.all_reduce
+    seen: list[tuple[str, bool, tuple[Any, ...], dict[str, Any]]] = []
 
-    def spy(arr: Any, op: Any = "sum", **kwargs: Any) -> Any:
-        seen.append((arr is x, op, kwargs))
-        return real(arr, op, **kwargs)
+    def spy(name: str) -> Any:
+        real = getattr(group, name)
 
-    monkeypatch.setattr(group, "all_reduce", spy)
-    x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    out = ops.psum(x, "tp", mesh=mesh)
-    assert out.dtype == np.float32 and not np.shares_memory(out, x)
-    np.testing.assert_array_equal(out, x)
-    assert seen == [(True, ReduceOp.SUM, {})]  # the caller's array, no factor, synchronous
+        def call(arr: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append((name, arr is x, args, kwargs))
+            return real(arr, *args, **kwargs)
+
+        return call
+
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        monkeypatch.setattr(group, name, spy(name))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)[:1]
+    for op in (
+        lambda: ops.psum(x, "tp", mesh=mesh),
+        lambda: ops.all_gather(x, "tp", tiled=True, mesh=mesh),
+        lambda: ops.psum_scatter(x, "tp", tiled=True, mesh=mesh),
+        lambda: ops.all_to_all(x, "tp", 0, 0, mesh=mesh),
+    ):
+        out = op()
+        assert out.dtype == np.float32 and not np.shares_memory(out, x)
+        np.testing.assert_array_equal(out, x)
+    # The caller's array itself, at axis 0, synchronous, no factor: the group's direct paths.
+    assert seen == [
+        ("all_reduce", True, (ReduceOp.SUM,), {}),
+        ("all_gather", True, (0, True), {}),
+        ("reduce_scatter", True, ("sum", 0, True), {}),
+        ("all_to_all", True, (0, 0, False), {}),
+    ]
     # What the kernel still handles gives the same results and the ops' own messages.
     assert ops.psum(x.astype(">f4"), "tp", mesh=mesh).dtype == np.float32
     assert ops.psum(x.astype(ml_dtypes.bfloat16), "tp", mesh=mesh).dtype == ml_dtypes.bfloat16

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshcomm._arrays import SUPPORTED_DTYPES, rank_blocks_fit
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops._checks import axis_arg, block_shape, to_blocks, unstack
 from meshcomm.ops._resolve import AxisName, resolve
@@ -34,6 +35,24 @@ if TYPE_CHECKING:
     from meshcomm.mesh import DeviceMesh
 
 __all__ = ["all_gather", "all_to_all", "psum_scatter"]
+
+# The fast paths below: a synchronous call with one numpy array of a supported native-order
+# dtype, at axis 0, whose shape fits, needs none of the kernels' work (the checks would pass,
+# finish is the identity) and goes straight to the group, whose direct path takes it.
+# Anything else, errors included, goes through the kernel and its messages.
+_AS_IS = frozenset(SUPPORTED_DTYPES)
+_SUMMABLE = _AS_IS - {np.dtype(np.bool_)}  # psum_scatter refuses bool, as JAX does
+
+
+def _fast(x: Any, async_op: bool, dtypes: frozenset[np.dtype], *axes: Any) -> bool:
+    """Whether a call may take the fast path: synchronous, one numpy array of one of
+    ``dtypes``, every axis argument the int 0."""
+    if async_op or type(x) is not np.ndarray or x.dtype not in dtypes:
+        return False
+    for a in axes:  # a loop, not all(<generator>): this runs on every call
+        if type(a) is not int or a != 0:
+            return False
+    return True
 
 
 class _Gather(Kernel):
@@ -162,6 +181,10 @@ def all_gather(
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "all_gather")
+    if _fast(x, async_op, _AS_IS, axis) and (x.ndim or not tiled):
+        group = ax.group()
+        if group is not None:
+            return group.all_gather(x, 0, tiled)
     return run(_Gather(axis, tiled, ax.size), x, ax.where, ax.group, async_op)
 
 
@@ -220,6 +243,10 @@ tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "psum_scatter")
+    if _fast(x, async_op, _SUMMABLE, scatter_dimension) and rank_blocks_fit(x, ax.size, tiled):
+        group = ax.group()
+        if group is not None:
+            return group.reduce_scatter(x, "sum", 0, tiled)
     return run(_Scatter(scatter_dimension, tiled, ax.size), x, ax.where, ax.group, async_op)
 
 
@@ -274,5 +301,9 @@ def all_to_all(
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "all_to_all")
+    if _fast(x, async_op, _AS_IS, split_axis, concat_axis) and rank_blocks_fit(x, ax.size, tiled):
+        group = ax.group()
+        if group is not None:
+            return group.all_to_all(x, 0, 0, tiled)
     kernel = _AllToAll(split_axis, concat_axis, tiled, ax.size)
     return run(kernel, x, ax.where, ax.group, async_op)
