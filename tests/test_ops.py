@@ -151,9 +151,12 @@ def test_one_array_at_axis_0_goes_straight_to_the_group(
         ("reduce_scatter", True, ("sum", 0, True), {}),
         ("all_to_all", True, (0, 0, False), {}),
     ]
+    seen.clear()
+    assert ops.pmax(x.astype(ml_dtypes.bfloat16), "tp", mesh=mesh).dtype == ml_dtypes.bfloat16
+    assert seen == [("all_reduce", False, (ReduceOp.MAX,), {})]  # bfloat16 goes straight too
     # What the kernel still handles gives the same results and the ops' own messages.
     assert ops.psum(x.astype(">f4"), "tp", mesh=mesh).dtype == np.float32
-    assert ops.psum(x.astype(ml_dtypes.bfloat16), "tp", mesh=mesh).dtype == ml_dtypes.bfloat16
+    assert ops.psum(np.ones(2, bool), "tp", mesh=mesh).dtype == np.int32
     named = re.escape("psum over 'tp' (size 1) on rank 0: dtype float128")
     with pytest.raises(TypeError, match=named):
         ops.psum(np.ones(2, np.longdouble), "tp", mesh=mesh)

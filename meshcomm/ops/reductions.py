@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, run
@@ -102,15 +103,10 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 _INEXACT_ONLY = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
 
-#: Native-order dtypes a reduction takes as they are (bool, bfloat16 and byte-swapped arrays
-#: go through the kernel, which converts or names them in its errors).
-_NUMERIC = frozenset(
-    np.dtype(t)
-    for t in (
-        np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-        np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    )
-)  # fmt: skip
+#: Native-order dtypes a reduction takes as they are (bool, which psum and pmean sum as
+#: int32, and byte-swapped or unsupported arrays go through the kernel, which converts them
+#: or names them in its errors).
+_REDUCIBLE = frozenset(SUPPORTED_DTYPES) - {np.dtype(np.bool_)}
 
 
 def _allowed(op: ReduceOp, kind: str) -> bool:
@@ -138,12 +134,12 @@ def _reduce(
 ) -> Any:
     axis = resolve(axis_name, mesh, name)
     if factor is None and not async_op and type(x) is np.ndarray:
-        # The commonest call, one numeric numpy array and a plain op, needs none of the
+        # The commonest call, one numpy array and a plain op, needs none of the
         # kernel's work (no bool or int-mean casts, no finish): straight to the group, whose
         # direct path takes it. Anything else, errors included, takes the kernel below.
         kind = x.dtype.kind
         if (
-            x.dtype in _NUMERIC
+            x.dtype in _REDUCIBLE
             and op is not ReduceOp.PREMUL_SUM
             and not (mean and kind in "iu")
             and _allowed(op, kind)
