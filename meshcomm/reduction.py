@@ -87,17 +87,18 @@ def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
         ...
         TypeError: reduce op 'max' is not defined for complex64 (complex numbers have no order)
     """
-    kind = np.dtype(dtype).kind
-    name = np.dtype(dtype).name
+    dtype = np.dtype(dtype)
+    kind = dtype.kind  # the name only when raising: numpy builds it in Python, per call
     if op in _ORDERED and kind == "c":
         raise TypeError(
-            f"reduce op {op.value!r} is not defined for {name} (complex numbers have no order)"
+            f"reduce op {op.value!r} is not defined for {dtype.name} (complex numbers have no "
+            "order)"
         )
     if op in _BITWISE and kind not in "biu":
-        raise TypeError(f"reduce op {op.value!r} needs a bool or integer dtype, got {name}")
+        raise TypeError(f"reduce op {op.value!r} needs a bool or integer dtype, got {dtype.name}")
     if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and kind not in "fcV":
         raise TypeError(
-            f"reduce op {op.value!r} needs a float or complex dtype, got {name}; "
+            f"reduce op {op.value!r} needs a float or complex dtype, got {dtype.name}; "
             "use 'sum' and divide"
         )
 

@@ -135,6 +135,8 @@ def dtype_text(dtype: np.dtype) -> str:
 
 
 def _stride_overlaps(t: Any) -> bool:
+    if t.is_contiguous():  # the common case, one C call
+        return False
     return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True))
 
 
@@ -171,11 +173,12 @@ def _torch_buffer(t: Any, name: str) -> Buffer:
         raise TypeError(
             f"{name}: only dense (strided) tensors are supported, got layout {t.layout}"
         )
-    dt = _torch_numpy_dtype(t, name)
-    shape = tuple(int(d) for d in t.shape)
-    device = t.device.type
-    if device == "cpu":
-        base = t.detach()
+    dt = _TORCH_DTYPES.get(t.dtype)
+    if dt is None:  # not seen yet, or unsupported (which raises)
+        dt = _torch_numpy_dtype(t, name)
+    shape = tuple(t.shape)  # torch.Size holds ints
+    if t.is_cpu:  # a bool, where t.device builds a device object per call
+        base = t.detach() if t.requires_grad else t
         if base.is_conj() or base.is_neg():
             raise TypeError(
                 f"{name} is a lazy conjugate/negative view; call .resolve_conj() / "
@@ -183,7 +186,7 @@ def _torch_buffer(t: Any, name: str) -> Buffer:
             )
         view = base.view(torch.int16).numpy().view(_BF16) if dt == _BF16 else base.numpy()
         return Buffer(t, "torch", shape, dt, name, view)
-    if device == "cuda":
+    if t.is_cuda:
         return Buffer(t, "torch-cuda", shape, dt, name, None)
     raise TypeError(f"{name}: torch tensors on device {t.device} are not supported (cpu, cuda)")
 
