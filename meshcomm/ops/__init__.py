@@ -17,9 +17,19 @@ and shapes are checked before any I/O.
 ``ppermute``           ``(source, destination)`` pairs; unreceived ranks get zeros
 ``pshuffle``           index ``i`` gets the ``x`` of ``perm[i]``
 ``pbroadcast``         everyone gets the ``x`` of ``source``
+``pcast``              varying / invariant for gradients (a copy; see below)
 ``axis_index``         this rank's index along the axis (an int, no I/O)
 ``axis_size``          the axis' length (an int, no I/O)
 =====================  ===============================================================
+
+Array kinds: numpy and cupy arrays, torch tensors (CPU and CUDA) and jax arrays come back
+as the kind, dtype and device they went in as, mixed kinds in one pytree included.
+
+Gradients: on torch tensors that require grad, and under ``jax.grad`` on jax arrays, every
+op is differentiable: its backward is the transposed collective, as JAX defines it under
+``shard_map`` (``psum`` -> identity, ``all_gather`` -> ``psum_scatter``, ...; the table is
+in ``docs/autograd.md``). ``pcast(x, axis, to="varying")`` is where a replicated value
+enters a per-rank computation (its backward is a psum).
 
 Groups: a single mesh axis uses the group :func:`~meshcomm.mesh.init_device_mesh` made. A
 tuple of axes that is not the whole world needs its own group, made by one split the first
@@ -42,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+from meshcomm.ops.casts import pcast
 from meshcomm.ops.gathers import all_gather, all_to_all, psum_scatter
 from meshcomm.ops.indexing import axis_index, axis_size
 from meshcomm.ops.permutes import pbroadcast, ppermute, pshuffle
@@ -55,6 +66,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "pbroadcast",
+    "pcast",
     "pmax",
     "pmean",
     "pmin",

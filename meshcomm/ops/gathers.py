@@ -20,12 +20,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES, rank_blocks_fit
 from meshcomm.errors import InvalidArgument
+from meshcomm.ops import _transpose
+from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._checks import axis_arg, block_shape, to_blocks, unstack
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, array_namespace, run
@@ -181,6 +184,12 @@ def all_gather(
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "all_gather")
+    kind = None if type(x) is np.ndarray else grad_kind(x)
+    if kind is not None:
+        forward = functools.partial(all_gather, axis_name=axis_name, axis=axis, tiled=tiled,
+                                    mesh=ax.mesh)  # fmt: skip
+        rule = _transpose.all_gather_t(axis_name, ax.mesh, axis, tiled)
+        return apply(kind, Call(ax.where, forward, rule), x, async_op)
     if _fast(x, async_op, _AS_IS, axis) and (x.ndim or not tiled):
         group = ax.group()
         if group is not None:
@@ -243,6 +252,12 @@ tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "psum_scatter")
+    kind = None if type(x) is np.ndarray else grad_kind(x)
+    if kind is not None:
+        forward = functools.partial(psum_scatter, axis_name=axis_name, tiled=tiled,
+                                    scatter_dimension=scatter_dimension, mesh=ax.mesh)  # fmt: skip
+        rule = _transpose.psum_scatter_t(axis_name, ax.mesh, scatter_dimension, tiled)
+        return apply(kind, Call(ax.where, forward, rule), x, async_op)
     if _fast(x, async_op, _SUMMABLE, scatter_dimension) and rank_blocks_fit(x, ax.size, tiled):
         group = ax.group()
         if group is not None:
@@ -301,6 +316,12 @@ def all_to_all(
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "all_to_all")
+    kind = None if type(x) is np.ndarray else grad_kind(x)
+    if kind is not None:
+        forward = functools.partial(all_to_all, axis_name=axis_name, split_axis=split_axis,
+                                    concat_axis=concat_axis, tiled=tiled, mesh=ax.mesh)  # fmt: skip
+        rule = _transpose.all_to_all_t(axis_name, ax.mesh, split_axis, concat_axis, tiled)
+        return apply(kind, Call(ax.where, forward, rule), x, async_op)
     if _fast(x, async_op, _AS_IS, split_axis, concat_axis) and rank_blocks_fit(x, ax.size, tiled):
         group = ax.group()
         if group is not None:

@@ -21,11 +21,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshcomm.errors import InvalidArgument
+from meshcomm.ops import _transpose
+from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._checks import index_arg
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, array_namespace, run
@@ -144,6 +147,11 @@ def ppermute(
     """
     axis = resolve(axis_name, mesh, "ppermute")
     pairs = _pairs(axis.where, perm, axis.size, "ppermute")
+    kind = grad_kind(x)
+    if kind is not None:
+        forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
+        rule = _transpose.ppermute_t(axis_name, axis.mesh, pairs)
+        return apply(kind, Call(axis.where, forward, rule), x, async_op)
     return run(_Permute(pairs, axis.index), x, axis.where, axis.group, async_op)
 
 
@@ -197,6 +205,11 @@ def pshuffle(
             f"(the axis size): {list(sources)}"
         )
     pairs = tuple((s, i) for i, s in enumerate(sources))
+    kind = grad_kind(x)
+    if kind is not None:
+        forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
+        rule = _transpose.ppermute_t(axis_name, axis.mesh, pairs)
+        return apply(kind, Call(axis.where, forward, rule), x, async_op)
     return run(_Permute(pairs, axis.index), x, axis.where, axis.group, async_op)
 
 
@@ -238,4 +251,9 @@ def pbroadcast(
     """
     axis = resolve(axis_name, mesh, "pbroadcast")
     src = index_arg(axis.where, source, axis.size, "source")
+    kind = grad_kind(x)
+    if kind is not None:
+        forward = functools.partial(pbroadcast, axis_name=axis_name, source=src, mesh=axis.mesh)
+        rule = _transpose.pbroadcast_t(axis_name, axis.mesh, src, axis.index)
+        return apply(kind, Call(axis.where, forward, rule), x, async_op)
     return run(_Broadcast(src), x, axis.where, axis.group, async_op)

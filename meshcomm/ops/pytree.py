@@ -12,9 +12,11 @@ are packed into one contiguous buffer (rank-major blocks where the op needs them
 by one group collective, and cut back into the leaves. A dtype with a single leaf is
 passed to the group as is (no packing copy).
 
-Array types: numpy arrays in, numpy arrays out. :func:`array_namespace` is the hook for
-other array libraries (cupy arrays are packed with cupy and handed to the group as they
-are, for a backend that takes them, such as nccl).
+Array kinds: each leaf comes back as the kind it went in as (numpy, cupy, torch tensors
+on CPU or CUDA, jax arrays; mixed kinds in one tree allowed), on its device, through
+:mod:`meshcomm.ops._native`. :func:`array_namespace` names the library packing uses: cupy
+arrays (and CUDA tensors and jax GPU arrays, seen as cupy) are packed with cupy and handed
+to the group as they are, for a backend that takes them, such as nccl.
 
 Example:
     >>> leaves, treedef = tree_flatten({"b": [1, 2], "a": None, "c": (3,)})
@@ -26,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from meshcomm._arrays import as_array, check_dtype
+from meshcomm.ops._native import Rewrap, unwrap
 from meshcomm.work import Work
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ __all__ = [
     "array_namespace",
     "as_leaf",
     "run",
+    "then",
     "tree_flatten",
     "tree_unflatten",
 ]
@@ -297,25 +302,36 @@ def run(
     if x is not None and not isinstance(x, (dict, list, tuple)):
         return _run_leaf(kernel, x, where, group_of, async_op)
     leaves, treedef = tree_flatten(x)
-    arrays, metas = [], []
+    arrays, metas, backs = [], [], []
     for leaf in leaves:
-        arr, meta = kernel.check(as_leaf(leaf, where), where)
+        host, back = unwrap(leaf, where)
+        arr, meta = kernel.check(as_leaf(host, where), where)
         arrays.append(arr)
         metas.append(meta)
+        backs.append(back)
+    rebuild: Callable[[list[Any]], Any]
+    if not any(backs):
+        rebuild = functools.partial(tree_unflatten, treedef)
+    else:
+
+        def rebuild(outs: list[Any]) -> Any:
+            kinds = [o if b is None else b(o) for o, b in zip(outs, backs, strict=True)]
+            return tree_unflatten(treedef, kinds)
+
     group = group_of()
     outs: list[Any]
     if group is None:
         outs = [kernel.local(a, m) for a, m in zip(arrays, metas, strict=True)]
-        return _done(where, tree_unflatten(treedef, outs)) if async_op else _rebuild(treedef, outs)
+        return _done(where, rebuild(outs)) if async_op else rebuild(outs)
     transfers = _plan(kernel, group, arrays, metas)
     if not async_op:
         outs = [None] * len(arrays)
         for t in transfers:
             for i, v in zip(t.leaves, t.split(t.start(False)), strict=True):
                 outs[i] = v
-        return _rebuild(treedef, outs)
+        return rebuild(outs)
     works = [t.start(True) for t in transfers]
-    return _combine(where, works, transfers, treedef, len(arrays))
+    return _combine(where, works, transfers, rebuild, len(arrays))
 
 
 def _run_leaf(
@@ -326,33 +342,53 @@ def _run_leaf(
     async_op: bool,
 ) -> Any:
     """The common case, one array: no tree, no packing, at most one chained Work."""
-    arr, meta = kernel.check(as_leaf(x, where), where)
+    host, back = unwrap(x, where)
+    arr, meta = kernel.check(as_leaf(host, where), where)
     group = group_of()
     if group is None:
         out = kernel.local(arr, meta)
+        out = out if back is None else back(out)
         return _done(where, out) if async_op else out
     result = kernel.direct(group, arr, meta, async_op)
     if not async_op:
-        return kernel.finish(result, meta)
-    if not kernel.needs_finish(meta):
+        out = kernel.finish(result, meta)
+        return out if back is None else back(out)
+    if not kernel.needs_finish(meta) and back is None:
         return result
+    return then(where, result, _finisher(kernel, meta, back))
+
+
+def _finisher(kernel: Kernel, meta: Any, back: Rewrap | None) -> Callable[[Any], Any]:
+    def finish(value: Any) -> Any:
+        out = kernel.finish(value, meta)
+        return out if back is None else back(out)
+
+    return finish
+
+
+def then(where: str, work: Work[Any], fn: Callable[[Any], Any]) -> Work[Any]:
+    """A Work that completes with ``fn(work's value)`` (or ``work``'s error) once ``work`` has.
+
+    ``fn`` runs on the thread that completes ``work``: local work only.
+
+    Example:
+        >>> w = then("psum", _done("psum", 2), lambda v: v * 10)
+        >>> w.wait()
+        20
+    """
     chained: Work[Any] = Work(where)
 
     def settle(_f: Any) -> None:
         future = chained.get_future()
         try:
-            value = kernel.finish(result.get_future().result(), meta)
+            value = fn(work.get_future().result())
         except BaseException as exc:
             future.set_exception(exc)
         else:
             future.set_result(value)
 
-    result.get_future().add_done_callback(settle)
+    work.get_future().add_done_callback(settle)
     return chained
-
-
-def _rebuild(treedef: TreeDef, outs: list[Any]) -> Any:
-    return tree_unflatten(treedef, outs)
 
 
 def _done(where: str, value: Any) -> Work[Any]:
@@ -365,13 +401,13 @@ def _combine(
     where: str,
     works: list[Work[Any]],
     transfers: list[_Transfer],
-    treedef: TreeDef,
+    rebuild: Callable[[list[Any]], Any],
     n: int,
 ) -> Work[Any]:
     """One Work that completes when every transfer's Work has, with the rebuilt tree."""
     out: Work[Any] = Work(where)
     if not works:
-        out.get_future().set_result(tree_unflatten(treedef, []))
+        out.get_future().set_result(rebuild([]))
         return out
     lock = threading.Lock()
     pending = [len(works)]
@@ -381,7 +417,7 @@ def _combine(
             pending[0] -= 1
             last = pending[0] == 0
         if last:
-            _settle(out, works, transfers, treedef, n)
+            _settle(out, works, transfers, rebuild, n)
 
     for w in works:
         w.get_future().add_done_callback(one_done)
@@ -389,7 +425,11 @@ def _combine(
 
 
 def _settle(
-    out: Work[Any], works: list[Work[Any]], transfers: list[_Transfer], treedef: TreeDef, n: int
+    out: Work[Any],
+    works: list[Work[Any]],
+    transfers: list[_Transfer],
+    rebuild: Callable[[list[Any]], Any],
+    n: int,
 ) -> None:
     # Runs on the progress thread (or the caller's, if everything had finished): only
     # local work here, never a wait on another operation.
@@ -399,7 +439,7 @@ def _settle(
         for w, t in zip(works, transfers, strict=True):
             for i, v in zip(t.leaves, t.split(w.get_future().result()), strict=True):
                 outs[i] = v
-        value = tree_unflatten(treedef, outs)
+        value = rebuild(outs)
     except BaseException as exc:
         future.set_exception(exc)
     else:

@@ -20,13 +20,16 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops._resolve import AxisName, resolve
+from meshcomm.ops import _transpose
+from meshcomm.ops._autodiff import Call, apply, grad_kind
+from meshcomm.ops._resolve import Axis, AxisName, resolve
 from meshcomm.ops.pytree import Kernel, run
 from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
 
@@ -133,6 +136,16 @@ def _reduce(
     mean: bool = False,
 ) -> Any:
     axis = resolve(axis_name, mesh, name)
+    if type(x) is not np.ndarray:
+        kind = grad_kind(x)
+        if kind is not None:
+            forward = functools.partial(
+                _reduce, name, axis_name=axis_name, mesh=axis.mesh, async_op=False, op=op,
+                factor=factor, jax_bool=jax_bool, mean=mean,
+            )  # fmt: skip
+            call = Call(axis.where, forward, _reduce_transpose(axis, axis_name, op, factor))
+            call.needs_primals = op in _ORDERED
+            return apply(kind, call, x, async_op)
     if factor is None and not async_op and type(x) is np.ndarray:
         # The commonest call, one numpy array and a plain op, needs none of the
         # kernel's work (no bool or int-mean casts, no finish): straight to the group, whose
@@ -161,6 +174,23 @@ def _reduce(
 
 
 _KERNELS: dict[tuple[ReduceOp, int, bool, bool], _Reduce] = {}
+
+
+def _reduce_transpose(axis: Axis, axis_name: AxisName, op: ReduceOp, factor: Any) -> Any:
+    """The backward rule of an all-reduce with ``op`` (raises if it has none)."""
+    if op is ReduceOp.SUM:
+        return _transpose.identity_t()
+    if op is ReduceOp.AVG:
+        return _transpose.scale_t(1.0 / axis.size)
+    if op is ReduceOp.PREMUL_SUM:
+        return _transpose.scale_t(factor)
+    if op in _ORDERED:
+        return _transpose.pextreme_t(axis_name, axis.mesh)
+    name = "pprod" if op is ReduceOp.PROD else f"all_reduce with op {op.value!r}"
+    raise InvalidArgument(
+        f"{axis.where}: {name} has no gradient here (meshcomm differentiates sum, avg, "
+        "premul_sum, max and min); detach the input or call it under torch.no_grad()"
+    )
 
 
 def psum(

@@ -1,0 +1,190 @@
+"""Gradients through the collectives: torch autograd and jax custom_vjp around any op call.
+
+An op called on a pytree with a leaf that needs a gradient (a torch tensor with
+``requires_grad`` while grad mode is on, or a jax tracer under ``jax.grad``) goes through
+:func:`apply` with a :class:`Call`: the op with every argument bound (``forward``, run on
+the leaves without gradient tracking) and its transpose (``transpose``, the rule of
+:mod:`meshcomm.ops._transpose`, run on the cotangents by calling the public ops again, so
+that a backward under ``create_graph=True`` is itself differentiable).
+
+Only the leaves that need a gradient become inputs of the autograd node; the others ride
+along in the same op call (one transfer per dtype, as always) and come back as plain
+arrays. Every rank must pass the same leaves with gradients: the backward pass is a
+collective too.
+
+Example:
+    >>> import numpy as np
+    >>> grad_kind(np.zeros(2)) is None
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshcomm.errors import InvalidArgument
+from meshcomm.ops._native import is_jax_tracer, torch_tensor_type, tracer_message
+from meshcomm.ops.pytree import tree_flatten, tree_unflatten
+
+__all__ = ["Call", "apply", "grad_kind"]
+
+#: (cotangents, primal inputs, primal outputs) -> input cotangents; lists of the leaves
+#: that need gradients, in tree order.
+Transpose = Callable[[list[Any], list[Any], list[Any]], list[Any]]
+
+
+def _leaf_grad_kind(leaf: Any) -> str | None:
+    root = type(leaf).__module__.partition(".")[0]
+    if root == "torch":
+        tensor = torch_tensor_type()
+        if tensor is not None and isinstance(leaf, tensor) and leaf.requires_grad:
+            return "torch" if sys.modules["torch"].is_grad_enabled() else None
+    elif root in ("jax", "jaxlib") and is_jax_tracer(leaf):
+        return "jax"
+    return None
+
+
+def grad_kind(x: Any) -> str | None:
+    """``"torch"`` or ``"jax"`` if a leaf of ``x`` needs a gradient, else None.
+
+    Raises:
+        TypeError: torch leaves needing gradients beside jax tracers in one call.
+
+    Example:
+        >>> grad_kind({"a": np.ones(1), "b": [2.0]}) is None
+        True
+    """
+    if type(x) is np.ndarray:
+        return None
+    if not isinstance(x, (dict, list, tuple)):
+        return _leaf_grad_kind(x)
+    kinds = {k for k in map(_leaf_grad_kind, tree_flatten(x)[0]) if k is not None}
+    if len(kinds) > 1:
+        raise TypeError("torch tensors that require grad and jax tracers in one op call")
+    return kinds.pop() if kinds else None
+
+
+@dataclass
+class Call:
+    """One op call to differentiate.
+
+    Attributes:
+        where: the op, axis and rank, for errors.
+        forward: the op with its arguments bound, on a pytree without gradient tracking.
+        transpose: the backward rule (see ``Transpose``).
+        needs_primals: whether ``transpose`` reads the primal inputs and outputs.
+    """
+
+    where: str
+    forward: Callable[[Any], Any]
+    transpose: Transpose
+    needs_primals: bool = False
+    _others: list[Any] = field(default_factory=list)
+
+    def run(self, leaves: list[Any], slots: list[int], diff: tuple[Any, ...], treedef: Any) -> Any:
+        """Run the op on the leaves with ``diff`` in ``slots``; keep the other results."""
+        full = list(leaves)
+        for slot, value in zip(slots, diff, strict=True):
+            full[slot] = value
+        outs, _ = tree_flatten(self.forward(tree_unflatten(treedef, full)))
+        self._others = outs
+        return tuple(outs[s] for s in slots)
+
+
+def apply(kind: str, call: Call, x: Any, async_op: bool) -> Any:
+    """Run ``call`` on ``x`` as one differentiable node of ``kind``'s autodiff.
+
+    Raises:
+        InvalidArgument: ``async_op=True`` (a Work cannot carry gradients; call it
+            synchronously, or detach the inputs).
+        TypeError: a jax tracer from jit / vmap / shard_map tracing.
+    """
+    if async_op:
+        raise InvalidArgument(
+            f"{call.where}: async_op=True with inputs that need gradients is not supported "
+            "(the result would leave the autograd graph); call it synchronously, or detach "
+            "the inputs"
+        )
+    leaves, treedef = tree_flatten(x)
+    slots = [i for i, leaf in enumerate(leaves) if _leaf_grad_kind(leaf) == kind]
+    diff = tuple(leaves[i] for i in slots)
+    run = _torch if kind == "torch" else _jax
+    outs = run(call, leaves, slots, diff, treedef)
+    full = list(call._others)
+    for slot, value in zip(slots, outs, strict=True):
+        full[slot] = value
+    return tree_unflatten(treedef, full)
+
+
+# -- torch ---------------------------------------------------------------------------------
+_TORCH_FUNCTION: Any = None
+
+
+def _torch_function() -> Any:
+    """The ``torch.autograd.Function`` of every op (made once, when torch is in use)."""
+    global _TORCH_FUNCTION
+    if _TORCH_FUNCTION is None:
+        import torch
+
+        class Collective(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, call: Call, spec: Any, *diff: Any) -> Any:
+                leaves, slots, treedef = spec
+                outs = call.run(leaves, slots, diff, treedef)
+                ctx.call = call
+                if call.needs_primals:
+                    ctx.save_for_backward(*diff, *outs)
+                return outs
+
+            @staticmethod
+            def backward(ctx: Any, *cts: Any) -> Any:
+                call: Call = ctx.call
+                xs: list[Any] = []
+                ys: list[Any] = []
+                if call.needs_primals:
+                    saved = ctx.saved_tensors
+                    xs, ys = list(saved[: len(cts)]), list(saved[len(cts) :])
+                grads = call.transpose(list(cts), xs, ys)
+                return (None, None, *grads)
+
+        _TORCH_FUNCTION = Collective
+    return _TORCH_FUNCTION
+
+
+def _torch(
+    call: Call, leaves: list[Any], slots: list[int], diff: tuple[Any, ...], treedef: Any
+) -> Any:
+    return _torch_function().apply(call, (leaves, slots, treedef), *diff)
+
+
+# -- jax -----------------------------------------------------------------------------------
+def _jax(
+    call: Call, leaves: list[Any], slots: list[int], diff: tuple[Any, ...], treedef: Any
+) -> Any:
+    import jax
+
+    def concrete(values: tuple[Any, ...]) -> tuple[Any, ...]:
+        for v in values:
+            if is_jax_tracer(v):
+                raise TypeError(tracer_message(call.where))
+        return values
+
+    @jax.custom_vjp
+    def node(*args: Any) -> Any:
+        return call.run(leaves, slots, concrete(args), treedef)
+
+    def node_fwd(*args: Any) -> Any:
+        outs = call.run(leaves, slots, concrete(args), treedef)
+        return outs, (args, outs) if call.needs_primals else None
+
+    def node_bwd(res: Any, cts: Any) -> Any:
+        xs, ys = ([], []) if res is None else (list(res[0]), list(res[1]))
+        return tuple(call.transpose(list(cts), xs, ys))
+
+    node.defvjp(node_fwd, node_bwd)
+    return node(*diff)

@@ -1,0 +1,219 @@
+"""Array kinds at the ops boundary: torch tensors and jax arrays in, the same kind out.
+
+The group layer moves numpy arrays (and cupy arrays, for a backend that takes them). Every
+op of :mod:`meshcomm.ops` passes each leaf through :func:`unwrap`, which returns an array the
+group can move plus a :class:`Rewrap` that turns a result back into the caller's kind, dtype
+and device:
+
+=====================  =============================  ====================================
+leaf                   handed to the group            result
+=====================  =============================  ====================================
+numpy array, scalar    as is                          numpy array
+torch CPU tensor       ``t.numpy()`` (shared memory)  ``torch.from_numpy`` (shared memory)
+torch CUDA tensor      cupy via DLPack (no copy),     ``torch.from_dlpack`` on the same
+                       else a host copy               device (else a host-to-device copy)
+jax array, one device  ``np.asarray`` (no copy on     ``jax.device_put`` on the same device
+                       CPU), cupy via DLPack on GPU
+cupy array             as is                          cupy array
+=====================  =============================  ====================================
+
+torch ``bfloat16`` goes through an ``int16`` view re-typed as ``ml_dtypes.bfloat16`` both
+ways (numpy has no bfloat16 of its own). A tensor with its conjugate or negative bit set is
+resolved first (one copy), as ``Tensor.numpy`` requires. torch and jax are never imported
+here: a tensor can only arrive if the caller imported its library.
+
+Example:
+    >>> import numpy as np
+    >>> arr, back = unwrap(np.arange(3), "psum")
+    >>> back is None
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["Rewrap", "is_jax_tracer", "kind_of", "torch_tensor_type", "unwrap"]
+
+#: Turns a result (numpy or cupy array) back into the caller's kind and device.
+Rewrap = Callable[[Any], Any]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def torch_tensor_type() -> Any:
+    """``torch.Tensor`` if torch was imported, else None (torch is never imported here)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.Tensor
+
+
+def _module_root(x: Any) -> str:
+    return type(x).__module__.partition(".")[0]
+
+
+def kind_of(x: Any) -> str:
+    """Name ``x``'s array kind: numpy, torch, torch-cuda, jax, jax-tracer, cupy or other.
+
+    Example:
+        >>> kind_of(np.zeros(1)), kind_of(3.0)
+        ('numpy', 'other')
+    """
+    if type(x) is np.ndarray:
+        return "numpy"
+    root = _module_root(x)
+    if root == "torch":
+        tensor = torch_tensor_type()
+        if tensor is not None and isinstance(x, tensor):
+            return "torch" if x.device.type == "cpu" else "torch-cuda"
+    elif root in ("jax", "jaxlib"):
+        if is_jax_tracer(x):
+            return "jax-tracer"
+        jax = sys.modules.get("jax")
+        if jax is not None and isinstance(x, jax.Array):
+            return "jax"
+    elif root == "cupy":
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "other"
+
+
+def is_jax_tracer(x: Any) -> bool:
+    """Whether ``x`` is a jax tracer (a value inside jit, grad, vmap or shard_map tracing).
+
+    Example:
+        >>> is_jax_tracer(np.zeros(1))
+        False
+    """
+    if _module_root(x) not in ("jax", "jaxlib"):
+        return False
+    core = sys.modules.get("jax.core")
+    tracer = getattr(core, "Tracer", None)
+    return tracer is not None and isinstance(x, tracer)
+
+
+def unwrap(x: Any, where: str) -> tuple[Any, Rewrap | None]:
+    """Return ``(array, rewrap)``: what the group moves, and how to give a result back.
+
+    ``rewrap`` is None for numpy arrays, scalars and cupy arrays (their results are
+    already of the right kind).
+
+    Raises:
+        TypeError: a torch dtype numpy cannot view (float8, complex32, ...), a jax tracer
+            (meshcomm cannot run inside jit / vmap / shard_map tracing), or a jax array
+            spread over several devices.
+    """
+    if type(x) is np.ndarray:
+        return x, None
+    root = _module_root(x)
+    if root == "torch":
+        tensor = torch_tensor_type()
+        if tensor is not None and isinstance(x, tensor):
+            return _unwrap_torch(x, where)
+    elif root in ("jax", "jaxlib"):
+        return _unwrap_jax(x, where)
+    return x, None
+
+
+# -- torch ---------------------------------------------------------------------------------
+def _unwrap_torch(t: Any, where: str) -> tuple[Any, Rewrap]:
+    import torch  # already imported by the caller: a tensor is in hand
+
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type == "cpu":
+        if t.dtype is torch.bfloat16:
+            return t.view(torch.int16).numpy().view(_BF16), _to_torch_cpu
+        try:
+            return t.numpy(), _to_torch_cpu
+        except TypeError:
+            raise TypeError(
+                f"{where}: torch dtype {t.dtype} is not supported (supported: bool, int8..int64, "
+                "uint8..uint64, float16/32/64, complex64/128, bfloat16)"
+            ) from None
+    device = t.device
+    cupy = _cupy()
+    if cupy is not None and t.device.type == "cuda":
+        with cupy.cuda.Device(device.index):
+            if t.dtype is torch.bfloat16:
+                arr = cupy.from_dlpack(t.view(torch.int16)).view(_BF16)
+            else:
+                arr = cupy.from_dlpack(t)
+        return arr, lambda r: _to_torch_device(r, device)
+    host, _ = _unwrap_torch(t.cpu(), where)
+    return host, lambda r: _to_torch_device(r, device)
+
+
+def _to_torch_cpu(result: Any) -> Any:
+    import torch
+
+    if result.dtype == _BF16:
+        return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(result)
+
+
+def _to_torch_device(result: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(result, np.ndarray):
+        return _to_torch_cpu(result).to(device)
+    if result.dtype == _BF16:
+        return torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(result)
+
+
+def _cupy() -> Any:
+    """cupy if it can be imported (for CUDA tensors and jax GPU arrays), else None."""
+    found = sys.modules.get("cupy")
+    if found is not None:
+        return found
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+# -- jax -----------------------------------------------------------------------------------
+def _unwrap_jax(x: Any, where: str) -> tuple[Any, Rewrap | None]:
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(x, jax.Array):
+        return x, None
+    if is_jax_tracer(x):
+        raise TypeError(tracer_message(where))
+    devices = x.sharding.device_set
+    if len(devices) != 1:
+        raise TypeError(
+            f"{where}: a jax array spread over {len(devices)} devices; a meshcomm rank holds "
+            "one device's shard (pass x.addressable_shards[i].data)"
+        )
+    (device,) = devices
+    if device.platform == "cpu":
+        return np.asarray(x), lambda r: jax.device_put(r, device)
+    cupy = _cupy()
+    arr = cupy.from_dlpack(x) if cupy is not None else np.asarray(x)
+    return arr, lambda r: jax.device_put(
+        jax.dlpack.from_dlpack(r) if not isinstance(r, np.ndarray) else r, device
+    )
+
+
+def tracer_message(where: str) -> str:
+    """The error for a jax tracer: why, and what to use instead.
+
+    Example:
+        >>> tracer_message("psum over 'tp' (size 2) on rank 0").split(":")[1]
+        ' got a jax tracer'
+    """
+    return (
+        f"{where}: got a jax tracer: meshcomm collectives move data between processes when "
+        "they are called, so they cannot be staged into jax.jit, jax.vmap or jax.shard_map "
+        "programs. Call them eagerly (jax.grad and jax.value_and_grad of eager code work), "
+        "or, inside jax.shard_map over one process's devices, use jax.lax.psum and friends"
+    )

@@ -1,0 +1,190 @@
+"""The backward rule of every op: its transpose, as JAX defines it under ``shard_map``.
+
+=========================  ==================================================================
+forward                    backward (of the cotangent ``ct``)
+=========================  ==================================================================
+``psum``                   ``ct`` (the result is invariant: its cotangent is one value)
+``pmean``                  ``ct / n``
+``all_reduce`` premul_sum  ``ct * factor``
+``pmax``, ``pmin``         ``ct * (x == y) / psum(x == y)``: to the winning rank(s), ties
+                           shared equally (as ``jnp.max`` shares them)
+``all_gather``             ``psum_scatter`` at the same axis, same ``tiled``
+``psum_scatter``           ``all_gather`` at the same axis, same ``tiled``
+``all_to_all``             ``all_to_all`` with ``split_axis`` and ``concat_axis`` swapped
+``ppermute``, ``pshuffle`` the inverse permutation
+``pbroadcast``             ``psum(ct)`` on the source, zeros elsewhere
+``pcast`` to varying       ``psum(ct)``
+``pcast`` to invariant     ``ct / n``
+=========================  ==================================================================
+
+Each rule runs on the mesh and axis captured when the op ran forward (the backward pass
+usually runs outside ``with mesh:``), by calling the public ops, so it is differentiable
+again (second-order gradients) except where it reads ``x == y``.
+
+Example:
+    >>> inverse_pairs(((0, 1), (1, 2), (2, 0)))
+    ((1, 0), (2, 1), (0, 2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meshcomm.ops._autodiff import Transpose
+
+if TYPE_CHECKING:
+    from meshcomm.mesh import DeviceMesh
+
+__all__ = [
+    "all_gather_t",
+    "all_to_all_t",
+    "identity_t",
+    "inverse_pairs",
+    "pbroadcast_t",
+    "pextreme_t",
+    "ppermute_t",
+    "psum_scatter_t",
+    "psum_t",
+    "scale_t",
+]
+
+
+def inverse_pairs(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """``(source, destination)`` pairs turned around."""
+    return tuple((d, s) for s, d in pairs)
+
+
+def _zeros_like(ct: Any) -> Any:
+    root = type(ct).__module__.partition(".")[0]
+    if root == "torch":
+        import torch
+
+        return torch.zeros_like(ct)
+    if root in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.zeros_like(ct)
+    return np.zeros_like(ct)
+
+
+def _cast_like(flags: Any, ct: Any) -> Any:
+    """A boolean array as ``ct``'s dtype, in its library."""
+    if type(flags).__module__.partition(".")[0] == "torch":
+        return flags.to(ct.dtype)
+    return flags.astype(ct.dtype)
+
+
+def identity_t() -> Transpose:
+    """The transpose of ``psum``: the cotangent as it is."""
+    return lambda cts, xs, ys: cts
+
+
+def scale_t(factor: Any) -> Transpose:
+    """The transpose of ``pmean`` (``1 / n``), premul_sum and ``pcast`` to invariant."""
+    if isinstance(factor, np.generic) or (isinstance(factor, np.ndarray) and factor.ndim == 0):
+        factor = factor.item()
+    return lambda cts, xs, ys: [c * factor for c in cts]
+
+
+def psum_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
+    """The transpose of ``pcast(to="varying")``: a psum of the cotangents."""
+    from meshcomm.ops.reductions import psum
+
+    return lambda cts, xs, ys: psum(cts, axis_name, mesh=mesh)
+
+
+def pextreme_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
+    """The transpose of ``pmax`` / ``pmin``: the cotangent to the winners, ties shared."""
+    from meshcomm.ops.reductions import psum
+
+    def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
+        won = [_cast_like(x == y, c) for c, x, y in zip(cts, xs, ys, strict=True)]
+        winners = psum(won, axis_name, mesh=mesh)
+        return [c * w / k for c, w, k in zip(cts, won, winners, strict=True)]
+
+    return rule
+
+
+def _by_axes(
+    cts: list[Any], axes_of: Callable[[Any], tuple[int, ...]], op: Callable[..., list[Any]]
+) -> list[Any]:
+    """Call ``op(leaves, *axes)`` once per distinct axes (leaves of one ndim share them)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, c in enumerate(cts):
+        groups.setdefault(axes_of(c), []).append(i)
+    out: list[Any] = [None] * len(cts)
+    for axes, idx in groups.items():
+        for i, v in zip(idx, op([cts[i] for i in idx], *axes), strict=True):
+            out[i] = v
+    return out
+
+
+def all_gather_t(axis_name: Any, mesh: DeviceMesh, axis: int, tiled: bool) -> Transpose:
+    """The transpose of ``all_gather``: ``psum_scatter`` at the gathered axis."""
+    from meshcomm.ops.gathers import psum_scatter
+
+    def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
+        return _by_axes(
+            cts,
+            lambda c: (axis % c.ndim,),
+            lambda leaves, ax: psum_scatter(
+                leaves, axis_name, scatter_dimension=ax, tiled=tiled, mesh=mesh
+            ),
+        )
+
+    return rule
+
+
+def psum_scatter_t(axis_name: Any, mesh: DeviceMesh, dim: int, tiled: bool) -> Transpose:
+    """The transpose of ``psum_scatter``: ``all_gather`` at the scattered axis."""
+    from meshcomm.ops.gathers import all_gather
+
+    def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
+        ndim_in = (lambda c: c.ndim) if tiled else (lambda c: c.ndim + 1)
+        return _by_axes(
+            cts,
+            lambda c: (dim % ndim_in(c),),
+            lambda leaves, ax: all_gather(leaves, axis_name, axis=ax, tiled=tiled, mesh=mesh),
+        )
+
+    return rule
+
+
+def all_to_all_t(
+    axis_name: Any, mesh: DeviceMesh, split_axis: int, concat_axis: int, tiled: bool
+) -> Transpose:
+    """The transpose of ``all_to_all``: ``all_to_all`` with the two axes swapped."""
+    from meshcomm.ops.gathers import all_to_all
+
+    def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
+        return _by_axes(
+            cts,
+            lambda c: (split_axis % c.ndim, concat_axis % c.ndim),
+            lambda leaves, split, concat: all_to_all(
+                leaves, axis_name, concat, split, tiled=tiled, mesh=mesh
+            ),
+        )
+
+    return rule
+
+
+def ppermute_t(axis_name: Any, mesh: DeviceMesh, pairs: tuple[tuple[int, int], ...]) -> Transpose:
+    """The transpose of ``ppermute`` (and ``pshuffle``): the inverse permutation."""
+    from meshcomm.ops.permutes import ppermute
+
+    back = inverse_pairs(pairs)
+    return lambda cts, xs, ys: ppermute(cts, axis_name, back, mesh=mesh)
+
+
+def pbroadcast_t(axis_name: Any, mesh: DeviceMesh, source: int, index: int) -> Transpose:
+    """The transpose of ``pbroadcast``: the sum of the cotangents, to the source only."""
+    from meshcomm.ops.reductions import psum
+
+    def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
+        total = psum(cts, axis_name, mesh=mesh)
+        return total if index == source else [_zeros_like(t) for t in total]
+
+    return rule
