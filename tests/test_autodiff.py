@@ -22,7 +22,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -170,8 +169,8 @@ def meshcomm_rank(group: Any, dp: int, tp: int, expected_path: str) -> list[str]
     problems: list[str] = []
 
     def check(label: str, got: dict[str, Any]) -> None:
-        for name, value in got.items():
-            value = np.asarray(value)
+        for name, raw in got.items():
+            value = np.asarray(raw)
             if value.shape != want[name].shape or not np.allclose(
                 value, want[name], rtol=0, atol=1e-9
             ):
@@ -228,6 +227,182 @@ def test_tensor_parallel_block_matches_jax_grad(jax_expected: str, dp: int, tp: 
     per_rank = run_ranks(meshcomm_rank, dp * tp, args=(dp, tp, jax_expected), timeout=240)
     problems = [p for rank in per_rank for p in rank]
     assert not problems, "\n".join(problems[:10])
+
+
+# -- gradcheck, op by op, at world 2 -------------------------------------------------------------
+def _op_cases() -> list[tuple[str, Any, tuple[int, ...], bool]]:
+    """(name, fn(x) -> tensor or tuple, input shape, linear) for every differentiable op."""
+    from meshcomm import ops
+
+    a = "tp"
+
+    def leaves(tree: Any) -> tuple[Any, ...]:
+        return tuple(ops.tree_flatten(tree)[0])
+
+    return [
+        ("psum", lambda x: ops.psum(x, a), (3,), True),
+        ("pmean", lambda x: ops.pmean(x, a), (3,), True),
+        ("pmax", lambda x: ops.pmax(x, a), (4,), False),
+        ("pmin", lambda x: ops.pmin(x, a), (4,), False),
+        ("all_reduce avg", lambda x: ops.all_reduce(x, a, op="avg"), (3,), True),
+        ("all_reduce max", lambda x: ops.all_reduce(x, a, op="max"), (4,), False),
+        ("premul_sum", lambda x: ops.all_reduce(x, a, op="premul_sum", factor=0.5), (3,), True),
+        ("all_gather", lambda x: ops.all_gather(x, a, axis=1), (2, 3), True),
+        ("tiled all_gather", lambda x: ops.all_gather(x, a, axis=-1, tiled=True), (2, 3), True),
+        ("psum_scatter", lambda x: ops.psum_scatter(x, a, scatter_dimension=1), (3, 2), True),
+        ("tiled psum_scatter", lambda x: ops.psum_scatter(x, a, tiled=True), (4,), True),
+        ("all_to_all", lambda x: ops.all_to_all(x, a, 0, 1), (2, 3), True),
+        ("tiled all_to_all", lambda x: ops.all_to_all(x, a, 1, 0, tiled=True), (3, 4), True),
+        ("ring ppermute", lambda x: ops.ppermute(x, a, [(0, 1), (1, 0)]), (3,), True),
+        ("one-pair ppermute", lambda x: ops.ppermute(x, a, [(1, 0)]), (3,), True),
+        ("pshuffle", lambda x: ops.pshuffle(x, a, [1, 0]), (2, 2), True),
+        ("pbroadcast", lambda x: ops.pbroadcast(x, a, 1), (3,), True),
+        ("pcast varying", lambda x: ops.pcast(x, a, to="varying"), (3,), True),
+        ("pytree psum", lambda x: leaves(ops.psum({"a": x, "b": [x * 2]}, a)), (3,), True),
+        ("pytree all_gather", lambda x: leaves(ops.all_gather([x, x[:1]], a)), (2,), True),
+    ]
+
+
+#: Ops whose backward is the true transpose of the map from every rank's input to every
+#: rank's output: checked on that whole map (the checked rank's input against all outputs).
+#: The others (psum, pmean, pmax, pcast, ...) have invariant results, whose JAX rule assumes
+#: one value on every rank; they are checked on the checked rank's own output.
+_TRUE_TRANSPOSE = frozenset(
+    ("all_gather", "psum_scatter", "all_to_all", "ppermute", "pshuffle", "pbroadcast")
+)
+
+
+def gradcheck_rank(group: Any) -> list[str]:
+    """gradcheck of every op, and gradgradcheck of the true transposes, each rank in turn.
+
+    The rank under test perturbs its input; the other feeds a constant and zeroes what it
+    returns, so the analytic Jacobian of the rank under test (a collective backward, run
+    on both) must equal its numerical one.
+    """
+    import torch
+
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    me = group.rank
+    failures = []
+    with init_device_mesh((2,), ("tp",)):
+        for checked in (0, 1):
+            for name, fn, shape, linear in _op_cases():
+                size = int(np.prod(shape))
+                # Distinct magnitudes, both signs: no ties for pmax / pmin against the zeros
+                # the other rank feeds.
+                values = (np.arange(size) + 1.0) * np.where(np.arange(size) % 2, -1, 1)
+                x = torch.tensor(values.reshape(shape), requires_grad=True)
+                const = torch.zeros(shape, dtype=torch.float64)
+
+                every = name.split()[-1] in _TRUE_TRANSPOSE
+
+                def f(
+                    x: Any,
+                    fn: Any = fn,
+                    checked: int = checked,
+                    every: bool = every,
+                    const: Any = const,
+                ) -> Any:
+                    if me != checked:
+                        x = x * 0 + const  # the values stay fixed, the graph stays connected
+                    out = fn(x)
+                    outs = out if isinstance(out, tuple) else (out,)
+                    if every:  # every rank's output, so cross-rank terms are checked too
+                        outs = tuple(ops.all_gather(o, "tp") for o in outs)
+                    return tuple(o if me == checked else o * 0 for o in outs)
+
+                checks = [torch.autograd.gradcheck]
+                if linear and every:
+                    checks.append(torch.autograd.gradgradcheck)
+                for check in checks:
+                    try:
+                        check(f, (x,), eps=1e-6, atol=1e-8)
+                    except Exception as exc:
+                        # Raising ends this rank: the other one then fails fast with a
+                        # PeerError, and run_ranks reports this rank's error first.
+                        where = f"{check.__name__} {name}, rank {checked} checked"
+                        raise AssertionError(f"{where}: {exc}") from exc
+        # pcast to invariant assumes equal values on every rank, so perturbing one rank's
+        # input alone says nothing; its rule (pmean's: ct / n) and the round trip instead.
+        x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        ops.pcast(x, "tp", to="invariant").backward(torch.full((3,), 4.0, dtype=torch.float64))
+        if x.grad.tolist() != [2.0] * 3:
+            failures.append(f"pcast invariant backward: {x.grad.tolist()}, want 4 / 2")
+        x.grad = None
+        there = ops.pcast(x, "tp", to="varying")
+        ops.pcast(there, "tp", to="invariant").backward(torch.full((3,), 4.0, dtype=torch.float64))
+        if x.grad.tolist() != [4.0] * 3:
+            failures.append(f"pcast round trip backward: {x.grad.tolist()}, want 4")
+    return failures
+
+
+@pytest.mark.timeout(300)
+def test_gradcheck_every_op_at_world_2() -> None:
+    from meshcomm.testing import run_ranks
+
+    per_rank = run_ranks(gradcheck_rank, 2, timeout=240)
+    problems = [p for rank in per_rank for p in rank]
+    assert not problems, "\n".join(problems)
+
+
+# -- a tensor-parallel MLP trained for 20 steps on a (2, 2) mesh ---------------------------------
+def mlp_rank(group: Any) -> float:
+    """Train Megatron-style on (dp, tp) = (2, 2); return the max difference from the same
+    MLP trained in this one process on the whole batch."""
+    import torch
+
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    width, hidden, batch, lr = 4, 8, 16, 0.1
+    big_x = torch.randn(batch, width, dtype=torch.float64)
+    big_y = torch.randn(batch, width, dtype=torch.float64)
+    full1 = torch.randn(width, hidden, dtype=torch.float64) * 0.5
+    full2 = torch.randn(hidden, width, dtype=torch.float64) * 0.5
+
+    mesh = init_device_mesh((2, 2), ("dp", "tp"))
+    d, t = mesh.get_coordinate()
+    rows, cols = (
+        slice(d * batch // 2, (d + 1) * batch // 2),
+        slice(t * hidden // 2, (t + 1) * hidden // 2),
+    )
+    x, y = big_x[rows], big_y[rows]
+    w1 = full1[:, cols].clone().requires_grad_()
+    w2 = full2[cols, :].clone().requires_grad_()
+    with mesh:
+        for _ in range(20):
+            xv = ops.pcast(x, "tp", to="varying")
+            out = ops.psum(torch.nn.functional.gelu(xv @ w1) @ w2, "tp")
+            loss = ((out - y) ** 2).mean()
+            loss.backward()
+            with torch.no_grad():
+                g1, g2 = ops.pmean([w1.grad, w2.grad], "dp")  # the data-parallel step
+                w1 -= lr * g1
+                w2 -= lr * g2
+            w1.grad, w2.grad = None, None
+
+    r1, r2 = full1.clone().requires_grad_(), full2.clone().requires_grad_()
+    for _ in range(20):
+        loss = ((torch.nn.functional.gelu(big_x @ r1) @ r2 - big_y) ** 2).mean()
+        loss.backward()
+        with torch.no_grad():
+            r1 -= lr * r1.grad
+            r2 -= lr * r2.grad
+        r1.grad, r2.grad = None, None
+    moved = float((r1 - full1).abs().max())
+    assert moved > 1e-3, "the reference did not train"
+    return max(float((w1 - r1[:, cols]).abs().max()), float((w2 - r2[cols, :]).abs().max()))
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_mlp_trains_like_one_process() -> None:
+    from meshcomm.testing import run_ranks
+
+    diffs = run_ranks(mlp_rank, 4, timeout=240)
+    assert max(diffs) <= 1e-6, diffs
 
 
 if __name__ == "__main__":

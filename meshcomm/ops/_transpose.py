@@ -3,7 +3,8 @@
 =========================  ==================================================================
 forward                    backward (of the cotangent ``ct``)
 =========================  ==================================================================
-``psum``                   ``ct`` (the result is invariant: its cotangent is one value)
+``psum``                   ``ct`` (the result is invariant: its cotangent is one value,
+                           cast to varying, whose own transpose is a psum)
 ``pmean``                  ``ct / n``
 ``all_reduce`` premul_sum  ``ct * factor``
 ``pmax``, ``pmin``         ``ct * (x == y) / psum(x == y)``: to the winning rank(s), ties
@@ -19,7 +20,10 @@ forward                    backward (of the cotangent ``ct``)
 
 Each rule runs on the mesh and axis captured when the op ran forward (the backward pass
 usually runs outside ``with mesh:``), by calling the public ops, so it is differentiable
-again (second-order gradients) except where it reads ``x == y``.
+again (second-order gradients) except where it reads ``x == y``. Where JAX casts an
+invariant cotangent to varying (the transposes of psum, pmean, pmax, pbroadcast), a
+backward that builds a graph calls ``pcast(ct, to="varying")``, so its own backward sums
+over the axis as JAX's does; a plain backward skips the copy.
 
 Example:
     >>> inverse_pairs(((0, 1), (1, 2), (2, 0)))
@@ -57,16 +61,21 @@ def inverse_pairs(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], 
     return tuple((d, s) for s, d in pairs)
 
 
-def _zeros_like(ct: Any) -> Any:
+def _zeroed(ct: Any) -> Any:
+    """Zeros of ``ct``'s shape that stay in ``ct``'s autodiff graph.
+
+    A rank's backward must run the same collectives as every other rank's, second order
+    included: zeros cut off from the graph would skip them on this rank alone.
+    """
     root = type(ct).__module__.partition(".")[0]
     if root == "torch":
         import torch
 
-        return torch.zeros_like(ct)
+        return torch.where(torch.zeros((), dtype=torch.bool, device=ct.device), ct, 0)
     if root in ("jax", "jaxlib"):
         import jax.numpy as jnp
 
-        return jnp.zeros_like(ct)
+        return jnp.where(False, ct, 0)
     return np.zeros_like(ct)
 
 
@@ -77,16 +86,34 @@ def _cast_like(flags: Any, ct: Any) -> Any:
     return flags.astype(ct.dtype)
 
 
-def identity_t() -> Transpose:
-    """The transpose of ``psum``: the cotangent as it is."""
-    return lambda cts, xs, ys: cts
+def _vary(cts: list[Any], axis_name: Any, mesh: DeviceMesh) -> list[Any]:
+    """The cotangents of an invariant result, cast to varying as JAX's transpose does.
+
+    Only a backward that is itself differentiated (``create_graph=True``, or a jax
+    backward under another grad) needs the cast, whose own backward is a psum; a plain
+    backward passes the cotangents through without a copy.
+    """
+    from meshcomm.ops._autodiff import grad_kind
+    from meshcomm.ops.casts import pcast
+
+    if grad_kind(cts) is None:
+        return cts
+    return list(pcast(cts, axis_name, to="varying", mesh=mesh))
 
 
-def scale_t(factor: Any) -> Transpose:
-    """The transpose of ``pmean`` (``1 / n``), premul_sum and ``pcast`` to invariant."""
+def identity_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
+    """The transpose of ``psum``: the cotangent as it is (cast to varying)."""
+    return lambda cts, xs, ys: _vary(cts, axis_name, mesh)
+
+
+def scale_t(factor: Any, axis_name: Any = (), mesh: DeviceMesh | None = None) -> Transpose:
+    """The transpose of ``pmean`` (``1 / n``) and premul_sum (cast to varying), and of
+    ``pcast`` to invariant (``1 / n``, no axis: it is a cast already)."""
     if isinstance(factor, np.generic) or (isinstance(factor, np.ndarray) and factor.ndim == 0):
         factor = factor.item()
-    return lambda cts, xs, ys: [c * factor for c in cts]
+    if mesh is None:
+        return lambda cts, xs, ys: [c * factor for c in cts]
+    return lambda cts, xs, ys: [c * factor for c in _vary(cts, axis_name, mesh)]
 
 
 def psum_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
@@ -103,6 +130,7 @@ def pextreme_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         won = [_cast_like(x == y, c) for c, x, y in zip(cts, xs, ys, strict=True)]
         winners = psum(won, axis_name, mesh=mesh)
+        cts = _vary(cts, axis_name, mesh)
         return [c * w / k for c, w, k in zip(cts, won, winners, strict=True)]
 
     return rule
@@ -184,7 +212,7 @@ def pbroadcast_t(axis_name: Any, mesh: DeviceMesh, source: int, index: int) -> T
     from meshcomm.ops.reductions import psum
 
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
-        total = psum(cts, axis_name, mesh=mesh)
-        return total if index == source else [_zeros_like(t) for t in total]
+        total = _vary(psum(cts, axis_name, mesh=mesh), axis_name, mesh)
+        return total if index == source else [_zeroed(t) for t in total]
 
     return rule

@@ -179,11 +179,11 @@ _KERNELS: dict[tuple[ReduceOp, int, bool, bool], _Reduce] = {}
 def _reduce_transpose(axis: Axis, axis_name: AxisName, op: ReduceOp, factor: Any) -> Any:
     """The backward rule of an all-reduce with ``op`` (raises if it has none)."""
     if op is ReduceOp.SUM:
-        return _transpose.identity_t()
+        return _transpose.identity_t(axis_name, axis.mesh)
     if op is ReduceOp.AVG:
-        return _transpose.scale_t(1.0 / axis.size)
+        return _transpose.scale_t(1.0 / axis.size, axis_name, axis.mesh)
     if op is ReduceOp.PREMUL_SUM:
-        return _transpose.scale_t(factor)
+        return _transpose.scale_t(factor, axis_name, axis.mesh)
     if op in _ORDERED:
         return _transpose.pextreme_t(axis_name, axis.mesh)
     name = "pprod" if op is ReduceOp.PROD else f"all_reduce with op {op.value!r}"
