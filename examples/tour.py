@@ -6,9 +6,11 @@ Run it with::
 
 Eight ranks on this machine (tcp backend) build a 2 x 4 mesh with axes "dp" and "tp",
 draw it, run each collective of ``meshcomm.ops`` along "dp", along "tp" and along both,
-check every result against numpy on every rank, and finish with a short psum bandwidth
-table per axis. Any world size works (the mesh is ``(2, -1)``, or ``(1, -1)`` for an odd
-world); ``python examples/tour.py`` is a world of one. Exits non-zero if a check failed.
+check every result against numpy on every rank, take one tensor-parallel gradient step
+(torch autograd when torch is installed, checked against the transposes by hand), and
+finish with a short psum bandwidth table per axis. Any world size works (the mesh is
+``(2, -1)``, or ``(1, -1)`` for an odd world); ``python examples/tour.py`` is a world of one.
+Exits non-zero if a check failed.
 """
 
 from __future__ import annotations
@@ -83,6 +85,47 @@ def run_checks(mesh: DeviceMesh) -> int:
     return failures
 
 
+def gradient_step(mesh: DeviceMesh) -> int:
+    """One tensor-parallel gradient step, Megatron style: torch autograd through the ops
+    (when torch is installed), checked against the same gradients written by hand with the
+    transposed collectives (docs/autograd.md). Returns failures on this rank."""
+    lead = mesh.get_rank() == 0
+    dp, tp = mesh.get_coordinate()
+    rng = np.random.default_rng([dp, tp])
+    x = np.random.default_rng(dp).standard_normal((4, 3))  # the same on every tp rank
+    w1, w2 = rng.standard_normal((3, 2)), rng.standard_normal((2, 3))  # this rank's shards
+
+    # By hand: forward, then each collective's transpose in reverse order.
+    h = np.tanh(ops.pcast(x, "tp", to="varying") @ w1)
+    y = ops.psum(h @ w2, "tp")  # row-parallel output, the same on every tp rank
+    loss = float(ops.pmean(np.mean(y**2), "dp"))
+    dy = 2 * y / y.size / mesh.size("dp")  # d loss / d y: psum's backward is the identity
+    dpre = (dy @ w2.T) * (1 - h**2)
+    by_hand = {"w1": x.T @ dpre, "w2": h.T @ dy, "x": ops.psum(dpre @ w1.T, "tp")}  # pcast^T
+    by_hand["w1"], by_hand["w2"] = ops.psum([by_hand["w1"], by_hand["w2"]], "dp")
+
+    try:
+        import torch
+    except ImportError:
+        if lead:
+            print(f"\n  gradient step (numpy, transposes by hand): loss {loss:.6f}")
+            print("  (pip install torch for the same step through torch autograd)")
+        return 0
+    tx, t1, t2 = (torch.tensor(a, requires_grad=True) for a in (x, w1, w2))
+    ty = ops.psum(torch.tanh(ops.pcast(tx, "tp", to="varying") @ t1) @ t2, "tp")
+    tloss = ops.pmean((ty**2).mean(), "dp")
+    tloss.backward()
+    grads = dict(zip(("w1", "w2"), ops.psum([t1.grad, t2.grad], "dp"), strict=True))
+    grads["x"] = tx.grad
+    ok = abs(float(tloss) - loss) < 1e-12
+    ok = ok and all(np.allclose(grads[k].numpy(), by_hand[k]) for k in by_hand)
+    if lead:
+        verdict = "ok" if ok else "FAILED"
+        print(f"\n  gradient step: loss {float(tloss):.6f}; torch autograd through pcast, psum")
+        print(f"  and pmean equals the transposes by hand: {verdict}")
+    return 0 if ok else 1
+
+
 def bandwidth_table(mesh: DeviceMesh) -> None:
     """Time psum along each axis for a few sizes; rank 0 prints nccl-tests-like rows."""
     lead = mesh.get_rank() == 0
@@ -128,6 +171,7 @@ def main() -> int:
                 print(f"\n  coordinates (rank -> (dp, tp)): {pairs}\n")
                 print("  each collective, checked on every rank against numpy:")
             failures = run_checks(mesh)
+            failures += gradient_step(mesh)
             total = int(ops.psum(np.int64(failures), ("dp", "tp")))
             bandwidth_table(mesh)
             if lead:
