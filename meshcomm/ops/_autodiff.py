@@ -74,26 +74,35 @@ class Call:
     """One op call to differentiate.
 
     Attributes:
-        where: the op, axis and rank, for errors.
+        where: the op, axis and rank, for errors (its first word names the op).
         forward: the op with its arguments bound, on a pytree without gradient tracking.
         transpose: the backward rule (see ``Transpose``).
         needs_primals: whether ``transpose`` reads the primal inputs and outputs.
+        results: every leaf's result, once :meth:`run` ran.
     """
 
     where: str
     forward: Callable[[Any], Any]
     transpose: Transpose
     needs_primals: bool = False
-    _others: list[Any] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+    _leaves: list[Any] = field(default_factory=list)
+    _slots: list[int] = field(default_factory=list)
+    _treedef: Any = None
 
-    def run(self, leaves: list[Any], slots: list[int], diff: tuple[Any, ...], treedef: Any) -> Any:
-        """Run the op on the leaves with ``diff`` in ``slots``; keep the other results."""
-        full = list(leaves)
-        for slot, value in zip(slots, diff, strict=True):
+    @property
+    def op(self) -> str:
+        """The op's name (``psum``)."""
+        return self.where.split(" ", 1)[0]
+
+    def run(self, diff: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Run the op on the call's leaves with ``diff`` in the differentiable slots; keep
+        every result in ``results`` and return those of the slots."""
+        full = list(self._leaves)
+        for slot, value in zip(self._slots, diff, strict=True):
             full[slot] = value
-        outs, _ = tree_flatten(self.forward(tree_unflatten(treedef, full)))
-        self._others = outs
-        return tuple(outs[s] for s in slots)
+        self.results, _ = tree_flatten(self.forward(tree_unflatten(self._treedef, full)))
+        return tuple(self.results[s] for s in self._slots)
 
 
 def apply(kind: str, call: Call, x: Any, async_op: bool) -> Any:
@@ -110,62 +119,55 @@ def apply(kind: str, call: Call, x: Any, async_op: bool) -> Any:
             "(the result would leave the autograd graph); call it synchronously, or detach "
             "the inputs"
         )
-    leaves, treedef = tree_flatten(x)
-    slots = [i for i, leaf in enumerate(leaves) if _leaf_grad_kind(leaf) == kind]
-    diff = tuple(leaves[i] for i in slots)
-    run = _torch if kind == "torch" else _jax
-    outs = run(call, leaves, slots, diff, treedef)
-    full = list(call._others)
-    for slot, value in zip(slots, outs, strict=True):
+    call._leaves, call._treedef = tree_flatten(x)
+    call._slots = [i for i, leaf in enumerate(call._leaves) if _leaf_grad_kind(leaf) == kind]
+    diff = tuple(call._leaves[i] for i in call._slots)
+    outs = _torch_function(call.op).apply(call, *diff) if kind == "torch" else _jax(call, diff)
+    full = list(call.results)
+    for slot, value in zip(call._slots, outs, strict=True):
         full[slot] = value
-    return tree_unflatten(treedef, full)
+    return tree_unflatten(call._treedef, full)
 
 
 # -- torch ---------------------------------------------------------------------------------
-_TORCH_FUNCTION: Any = None
+_TORCH_FUNCTIONS: dict[str, Any] = {}
 
 
-def _torch_function() -> Any:
-    """The ``torch.autograd.Function`` of every op (made once, when torch is in use)."""
-    global _TORCH_FUNCTION
-    if _TORCH_FUNCTION is None:
-        import torch
+def _torch_function(op: str) -> Any:
+    """The ``torch.autograd.Function`` of ``op`` (made once per op, when torch is in use),
+    so that a graph shows ``PsumBackward``, ``AllGatherBackward``, ..."""
+    found = _TORCH_FUNCTIONS.get(op)
+    if found is not None:
+        return found
+    import torch
 
-        class Collective(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, call: Call, spec: Any, *diff: Any) -> Any:
-                leaves, slots, treedef = spec
-                outs = call.run(leaves, slots, diff, treedef)
-                ctx.call = call
-                if call.needs_primals:
-                    ctx.save_for_backward(*diff, *outs)
-                return outs
+    class Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, call: Call, *diff: Any) -> Any:
+            outs = call.run(diff)
+            ctx.call = call
+            if call.needs_primals:
+                ctx.save_for_backward(*diff, *outs)
+            return outs
 
-            @staticmethod
-            def backward(ctx: Any, *cts: Any) -> Any:
-                call: Call = ctx.call
-                xs: list[Any] = []
-                ys: list[Any] = []
-                if call.needs_primals:
-                    saved = ctx.saved_tensors
-                    xs, ys = list(saved[: len(cts)]), list(saved[len(cts) :])
-                grads = call.transpose(list(cts), xs, ys)
-                return (None, None, *grads)
+        @staticmethod
+        def backward(ctx: Any, *cts: Any) -> Any:
+            call: Call = ctx.call
+            xs: list[Any] = []
+            ys: list[Any] = []
+            if call.needs_primals:
+                saved = ctx.saved_tensors
+                xs, ys = list(saved[: len(cts)]), list(saved[len(cts) :])
+            return (None, *call.transpose(list(cts), xs, ys))
 
-        _TORCH_FUNCTION = Collective
-    return _TORCH_FUNCTION
-
-
-def _torch(
-    call: Call, leaves: list[Any], slots: list[int], diff: tuple[Any, ...], treedef: Any
-) -> Any:
-    return _torch_function().apply(call, (leaves, slots, treedef), *diff)
+    name = "".join(part.capitalize() for part in op.split("_"))
+    function = type(name, (Collective,), {"__qualname__": name})
+    _TORCH_FUNCTIONS[op] = function
+    return function
 
 
 # -- jax -----------------------------------------------------------------------------------
-def _jax(
-    call: Call, leaves: list[Any], slots: list[int], diff: tuple[Any, ...], treedef: Any
-) -> Any:
+def _jax(call: Call, diff: tuple[Any, ...]) -> Any:
     import jax
 
     def concrete(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -176,10 +178,10 @@ def _jax(
 
     @jax.custom_vjp
     def node(*args: Any) -> Any:
-        return call.run(leaves, slots, concrete(args), treedef)
+        return call.run(concrete(args))
 
     def node_fwd(*args: Any) -> Any:
-        outs = call.run(leaves, slots, concrete(args), treedef)
+        outs = call.run(concrete(args))
         return outs, (args, outs) if call.needs_primals else None
 
     def node_bwd(res: Any, cts: Any) -> Any:
