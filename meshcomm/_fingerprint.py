@@ -2,8 +2,9 @@
 
 Before each collective, every rank all-gathers a fixed-size int64 row describing what it
 is about to run (op, sequence number, dtype, shape, root, reduce op, axes, a checksum of
-other arguments). Every rank sees the same table, so on a mismatch every rank raises the
-same :class:`~meshcomm.errors.CommError`, naming the disagreeing ranks and what each called.
+other arguments, and whether its array is on a GPU or the host). Every rank sees the same
+table, so on a mismatch every rank raises the same :class:`~meshcomm.errors.CommError`,
+naming the disagreeing ranks and what each called.
 
 Example:
     >>> row = encode("all_reduce", 3, dtype=np.dtype(np.float32), shape=(4, 2), reduce=ReduceOp.SUM)
@@ -46,7 +47,7 @@ _OPS = (
 _REDUCE_OPS = tuple(ReduceOp)
 _DIMS = 6  # dims stored as such; longer shapes add a checksum
 # op, seq, dtype, ndim, dims..., shape checksum, then the _TAIL fields
-_TAIL = ("root", "op", "axis", "axis2", "tiled", "args")
+_TAIL = ("root", "op", "axis", "axis2", "tiled", "args", "device")
 _HEAD = 4 + _DIMS + 1
 #: int64 entries in one fingerprint.
 LENGTH = _HEAD + len(_TAIL)
@@ -68,8 +69,13 @@ def encode(
     axis2: int = -1,
     tiled: bool | None = None,
     args: object = None,
+    on_device: bool | None = None,
 ) -> np.ndarray:
-    """Return what this rank is about to run as a row of ``LENGTH`` int64 (-1: not set)."""
+    """Return what this rank is about to run as a row of ``LENGTH`` int64 (-1: not set).
+
+    ``on_device``: whether the caller's array lives on a GPU (ranks must agree: a GPU
+    backend will move those arrays over its own communicators).
+    """
     row = np.full(LENGTH, -1, dtype=np.int64)
     row[0], row[1] = _OPS.index(op), seq
     if dtype is not None:
@@ -86,6 +92,7 @@ def encode(
         axis2,
         -1 if tiled is None else int(tiled),
         -1 if args is None else _crc(args),
+        -1 if on_device is None else int(on_device),
     )
     return row
 
@@ -112,6 +119,8 @@ def describe(row: np.ndarray) -> str:
             parts.append(f"tiled={bool(v)}")
         elif name == "args":
             parts.append(f"args=#{v:08x}")
+        elif name == "device":
+            parts.append("on a GPU" if v else "on the host")
         else:
             parts.append(f"{name}={v}")
     return f"{op}({', '.join(parts)})"

@@ -285,7 +285,7 @@ class ProcessGroup:
         self._seq = seq = self._seq + 1
         label = f"{op} (op #{seq}) on {self._where}"
         if self._debug:
-            row = _fingerprint.encode(op, seq, **fields)
+            row = _fingerprint.encode(op, seq, on_device=device is not None, **fields)
             comm, ranks, unchecked = self._comm, self.ranks, body
 
             def body() -> Any:

@@ -339,3 +339,75 @@ def test_mpi_backend_with_cupy_arrays() -> None:
         )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("failures=0") == 2, proc.stdout
+
+
+# == meshcomm.ops with torch CUDA tensors: CUDA in, CUDA out, gradients on the GPU ===========
+def _torch_cuda_ops(group: Any) -> list[str]:
+    import torch
+
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    n, rank = group.size, group.rank
+    device = torch.device("cuda", 0)
+    problems: list[str] = []
+
+    def host(r: int) -> np.ndarray:
+        return np.arange(n * 2, dtype=np.float64).reshape(n, 2) + 10 * r
+
+    x = torch.tensor(host(rank), device=device)
+    before = x.clone()
+    with init_device_mesh((n,), ("tp",)):
+        wants = {
+            "psum": (ops.psum(x, "tp"), sum(host(r) for r in range(n))),
+            "all_gather": (ops.all_gather(x, "tp"), np.stack([host(r) for r in range(n)])),
+            "psum_scatter": (ops.psum_scatter(x, "tp"), sum(host(r) for r in range(n))[rank]),
+            "bfloat16 psum": (
+                ops.psum(x.to(torch.bfloat16), "tp").float(),
+                sum(host(r) for r in range(n)).astype(np.float32),
+            ),
+        }
+        for name, (got, want) in wants.items():
+            if not isinstance(got, torch.Tensor) or got.device != device:
+                problems.append(
+                    f"{name}: got {type(got).__name__} on {getattr(got, 'device', '?')}"
+                )
+            elif not np.allclose(got.cpu().numpy(), want):
+                problems.append(f"{name}: got {got.cpu().numpy()}, expected {want}")
+        # A gradient through all_gather: its backward (psum_scatter) runs on CUDA tensors too.
+        w = x.clone().requires_grad_()
+        (ops.all_gather(w, "tp") * 2).sum().backward()
+        if w.grad is None or w.grad.device != device or not bool((w.grad == 2 * n).all()):
+            problems.append(f"all_gather backward on CUDA: {w.grad}")
+    if not bool((x == before).all()):
+        problems.append("the input was modified")
+    return problems
+
+
+def test_ops_keep_torch_cuda_tensors_and_differentiate() -> None:
+    pytest.importorskip("torch")
+    for rank, problems in enumerate(run_ranks(_torch_cuda_ops, 2, timeout=TIMEOUT)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+def _mixed_devices(group: Any) -> str:
+    import cupy
+
+    from meshcomm import ops
+    from meshcomm.errors import CommError
+    from meshcomm.mesh import init_device_mesh
+
+    x = np.ones(4, np.float32)
+    with init_device_mesh((group.size,), ("tp",)):
+        try:
+            ops.psum(cupy.asarray(x) if group.rank == 0 else x, "tp")
+        except CommError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_mixed_devices_across_ranks_are_named_in_debug_mode() -> None:
+    messages = run_ranks(_mixed_devices, 2, timeout=TIMEOUT, env={"MESHCOMM_DEBUG": "DETAIL"})
+    for message in messages:
+        assert "global ranks [0] called all_reduce" in message and "on a GPU" in message, message
+        assert "global ranks [1] called all_reduce" in message and "on the host" in message, message

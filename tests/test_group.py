@@ -473,6 +473,10 @@ def test_fingerprint_describe() -> None:
         == "broadcast(seq=1, shape=(3,), root=2)"
     )
     assert not np.array_equal(encode("permute", 1, args=((0, 1),)), encode("permute", 1, args=()))
+    gpu, host = encode("all_reduce", 2, on_device=True), encode("all_reduce", 2, on_device=False)
+    assert not np.array_equal(gpu, host)
+    assert describe(gpu) == "all_reduce(seq=2, on a GPU)"
+    assert describe(host) == "all_reduce(seq=2, on the host)"
 
 
 # -- memory -----------------------------------------------------------------------------------
