@@ -330,9 +330,11 @@ def test_requires_grad_with_async_op_is_invalid(mesh: DeviceMesh) -> None:
             op(x, mesh, 1, async_op=True)
         with pytest.raises(InvalidArgument, match=why):
             op({"a": x, "b": np.ones(2)}, mesh, 1, async_op=True)
-    with torch.no_grad():  # no gradient needed: async is fine
+    with torch.no_grad():  # no gradient needed: async is fine, and sync the fast path
         out = ops.psum(x, "x", mesh=mesh, async_op=True).wait()
+        sync = ops.all_gather(x, "x", mesh=mesh)
     assert type(out) is torch.Tensor and not out.requires_grad
+    assert type(sync) is torch.Tensor and not sync.requires_grad and sync.shape == (1, 2, 3)
 
 
 def test_pprod_of_a_requires_grad_tensor_is_invalid_naming_pprod(mesh: DeviceMesh) -> None:

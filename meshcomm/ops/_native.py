@@ -38,7 +38,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Rewrap", "is_jax_tracer", "kind_of", "torch_tensor_type", "unwrap"]
+__all__ = [
+    "Rewrap",
+    "is_jax_tracer",
+    "kind_of",
+    "numpy_of_tensor",
+    "tensor_of_numpy",
+    "torch_tensor_type",
+    "unwrap",
+]
 
 #: Turns a result (numpy or cupy array) back into the caller's kind and device.
 Rewrap = Callable[[Any], Any]
@@ -121,6 +129,33 @@ def unwrap(x: Any, where: str) -> tuple[Any, Rewrap | None]:
 
 
 # -- torch ---------------------------------------------------------------------------------
+def numpy_of_tensor(x: Any) -> np.ndarray | None:
+    """``x.numpy()`` (shared memory) for a plain CPU tensor, else None: the ops' fast paths.
+
+    Plain: exactly ``torch.Tensor`` (no subclass), on the CPU, strided, of a dtype numpy has
+    (not bfloat16), no conjugate or negative bit, and not needing a gradient
+    (``requires_grad`` off, or grad mode off). ``Tensor.numpy`` checks all but the first
+    two itself and raises otherwise; that costs a raise, so bfloat16, common and never
+    taken, is refused first. Give the result back with :func:`tensor_of_numpy`.
+
+    Example:
+        >>> numpy_of_tensor(np.zeros(1)) is None
+        True
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or x.dtype is torch.bfloat16:
+        return None
+    try:
+        return x.numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
+def tensor_of_numpy(result: np.ndarray) -> Any:
+    """``torch.from_numpy(result)``: the way back from :func:`numpy_of_tensor`."""
+    return sys.modules["torch"].from_numpy(result)
+
+
 def _unwrap_torch(t: Any, where: str) -> tuple[Any, Rewrap]:
     import torch  # already imported by the caller: a tensor is in hand
 

@@ -30,6 +30,7 @@ from meshcomm.errors import InvalidArgument
 from meshcomm.ops import _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._checks import axis_arg, block_shape, to_blocks, unstack
+from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, array_namespace, run
 
@@ -39,9 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = ["all_gather", "all_to_all", "psum_scatter"]
 
-# The fast paths below: a synchronous call with one numpy array of a supported native-order
-# dtype, at axis 0, whose shape fits, needs none of the kernels' work (the checks would pass,
-# finish is the identity) and goes straight to the group, whose direct path takes it.
+# The fast paths below: a synchronous call with one numpy array (or a plain CPU tensor's
+# numpy view, ``_native.numpy_of_tensor``, given back with ``torch.from_numpy``) of a
+# supported native-order dtype, at axis 0, whose shape fits, needs none of the kernels'
+# work (the checks would pass, finish is the identity) and goes straight to the group,
+# whose direct path takes it.
 # Anything else, errors included, goes through the kernel and its messages.
 _AS_IS = frozenset(SUPPORTED_DTYPES)
 _SUMMABLE = _AS_IS - {np.dtype(np.bool_)}  # psum_scatter refuses bool, as JAX does
@@ -184,16 +187,18 @@ def all_gather(
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "all_gather")
-    kind = None if type(x) is np.ndarray else grad_kind(x)
+    arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
+    kind = None if arr is not None else grad_kind(x)
     if kind is not None:
         forward = functools.partial(all_gather, axis_name=axis_name, axis=axis, tiled=tiled,
                                     mesh=ax.mesh)  # fmt: skip
         rule = _transpose.all_gather_t(axis_name, ax.mesh, axis, tiled)
         return apply(kind, Call(ax.where, forward, rule), x, async_op)
-    if _fast(x, async_op, _AS_IS, axis) and (x.ndim or not tiled):
+    if _fast(arr, async_op, _AS_IS, axis) and (arr.ndim or not tiled):
         group = ax.group()
         if group is not None:
-            return group.all_gather(x, 0, tiled)
+            out = group.all_gather(arr, 0, tiled)
+            return out if arr is x else tensor_of_numpy(out)
     return run(_Gather(axis, tiled, ax.size), x, ax.where, ax.group, async_op)
 
 
@@ -252,16 +257,18 @@ tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "psum_scatter")
-    kind = None if type(x) is np.ndarray else grad_kind(x)
+    arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
+    kind = None if arr is not None else grad_kind(x)
     if kind is not None:
         forward = functools.partial(psum_scatter, axis_name=axis_name, tiled=tiled,
                                     scatter_dimension=scatter_dimension, mesh=ax.mesh)  # fmt: skip
         rule = _transpose.psum_scatter_t(axis_name, ax.mesh, scatter_dimension, tiled)
         return apply(kind, Call(ax.where, forward, rule), x, async_op)
-    if _fast(x, async_op, _SUMMABLE, scatter_dimension) and rank_blocks_fit(x, ax.size, tiled):
+    if _fast(arr, async_op, _SUMMABLE, scatter_dimension) and rank_blocks_fit(arr, ax.size, tiled):
         group = ax.group()
         if group is not None:
-            return group.reduce_scatter(x, "sum", 0, tiled)
+            out = group.reduce_scatter(arr, "sum", 0, tiled)
+            return out if arr is x else tensor_of_numpy(out)
     return run(_Scatter(scatter_dimension, tiled, ax.size), x, ax.where, ax.group, async_op)
 
 
@@ -316,15 +323,19 @@ def all_to_all(
         >>> world.shutdown()
     """
     ax = resolve(axis_name, mesh, "all_to_all")
-    kind = None if type(x) is np.ndarray else grad_kind(x)
+    arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
+    kind = None if arr is not None else grad_kind(x)
     if kind is not None:
         forward = functools.partial(all_to_all, axis_name=axis_name, split_axis=split_axis,
                                     concat_axis=concat_axis, tiled=tiled, mesh=ax.mesh)  # fmt: skip
         rule = _transpose.all_to_all_t(axis_name, ax.mesh, split_axis, concat_axis, tiled)
         return apply(kind, Call(ax.where, forward, rule), x, async_op)
-    if _fast(x, async_op, _AS_IS, split_axis, concat_axis) and rank_blocks_fit(x, ax.size, tiled):
+    if _fast(arr, async_op, _AS_IS, split_axis, concat_axis) and rank_blocks_fit(
+        arr, ax.size, tiled
+    ):
         group = ax.group()
         if group is not None:
-            return group.all_to_all(x, 0, 0, tiled)
+            out = group.all_to_all(arr, 0, 0, tiled)
+            return out if arr is x else tensor_of_numpy(out)
     kernel = _AllToAll(split_axis, concat_axis, tiled, ax.size)
     return run(kernel, x, ax.where, ax.group, async_op)

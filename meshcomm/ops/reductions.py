@@ -29,6 +29,7 @@ from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops import _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
+from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
 from meshcomm.ops._resolve import Axis, AxisName, resolve
 from meshcomm.ops.pytree import Kernel, run
 from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
@@ -136,7 +137,8 @@ def _reduce(
     mean: bool = False,
 ) -> Any:
     axis = resolve(axis_name, mesh, name)
-    if type(x) is not np.ndarray:
+    arr = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor: its view
+    if arr is None:
         kind = grad_kind(x)
         if kind is not None:
             forward = functools.partial(
@@ -146,20 +148,21 @@ def _reduce(
             call = Call(axis.where, forward, _reduce_transpose(axis, axis_name, op, factor))
             call.needs_primals = op in _ORDERED
             return apply(kind, call, x, async_op)
-    if factor is None and not async_op and type(x) is np.ndarray:
-        # The commonest call, one numpy array and a plain op, needs none of the
-        # kernel's work (no bool or int-mean casts, no finish): straight to the group, whose
-        # direct path takes it. Anything else, errors included, takes the kernel below.
-        kind = x.dtype.kind
+    if factor is None and not async_op and arr is not None:
+        # The commonest call, one numpy array (or plain CPU tensor) and a plain op, needs
+        # none of the kernel's work (no bool or int-mean casts, no finish): straight to the
+        # group, whose direct path takes it. Anything else, errors included, takes the kernel.
+        kind = arr.dtype.kind
         if (
-            x.dtype in _REDUCIBLE
+            arr.dtype in _REDUCIBLE
             and op is not ReduceOp.PREMUL_SUM
             and not (mean and kind in "iu")
             and _allowed(op, kind)
         ):
             group = axis.group()
             if group is not None:
-                return group.all_reduce(x, op)
+                out = group.all_reduce(arr, op)
+                return out if arr is x else tensor_of_numpy(out)
     if factor is None:
         # Kernels without a factor are stateless: one per (op, size, flavour), reused.
         key = (op, axis.size, jax_bool, mean)
