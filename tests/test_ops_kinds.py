@@ -291,8 +291,6 @@ def test_a_torch_dtype_numpy_lacks_is_a_type_error_naming_the_op(mesh: DeviceMes
 def test_a_jax_array_under_jit_is_a_type_error_about_tracers(mesh: DeviceMesh) -> None:
     x = jnp.ones((2, 3))
     for name, op in OPS:
-        if name == "pprod":  # see the xfail below
-            continue
         with pytest.raises(TypeError, match=rf"^{name}\b.*jax tracer"):
             jax.jit(lambda a, op=op: op(a, mesh, 1))(x)
         with pytest.raises(TypeError, match="jax tracer"):
@@ -301,11 +299,6 @@ def test_a_jax_array_under_jit_is_a_type_error_about_tracers(mesh: DeviceMesh) -
         jax.vmap(lambda a: ops.psum(a, "x", mesh=mesh))(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: ops take every jax tracer for a gradient input (_autodiff.grad_kind), so "
-    "under jit an op without a gradient rule (pprod) or async_op=True reports that instead",
-)
 @pytest.mark.parametrize("case", ["pprod", "async"])
 def test_under_jit_pprod_and_async_are_type_errors_about_tracers(
     mesh: DeviceMesh, case: str

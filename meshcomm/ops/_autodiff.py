@@ -14,7 +14,7 @@ collective too.
 
 Example:
     >>> import numpy as np
-    >>> grad_kind(np.zeros(2)) is None
+    >>> grad_kind(np.zeros(2), "psum") is None
     True
 """
 
@@ -38,34 +38,40 @@ __all__ = ["Call", "apply", "grad_kind"]
 Transpose = Callable[[list[Any], list[Any], list[Any]], list[Any]]
 
 
-def _leaf_grad_kind(leaf: Any) -> str | None:
+def _leaf_grad_kind(leaf: Any, where: str) -> str | None:
     root = type(leaf).__module__.partition(".")[0]
     if root == "torch":
         tensor = torch_tensor_type()
         if tensor is not None and isinstance(leaf, tensor) and leaf.requires_grad:
             return "torch" if sys.modules["torch"].is_grad_enabled() else None
     elif root in ("jax", "jaxlib") and is_jax_tracer(leaf):
-        return "jax"
+        # Eager jax.grad / vjp trace with autodiff tracers (over concrete values); jit,
+        # vmap and shard_map trace abstract values, which no collective can take.
+        if type(leaf).__module__.endswith(".interpreters.ad"):
+            return "jax"
+        raise TypeError(tracer_message(where))
     return None
 
 
-def grad_kind(x: Any) -> str | None:
+def grad_kind(x: Any, where: str) -> str | None:
     """``"torch"`` or ``"jax"`` if a leaf of ``x`` needs a gradient, else None.
 
     Raises:
-        TypeError: torch leaves needing gradients beside jax tracers in one call.
+        TypeError: a jax tracer from jit / vmap / shard_map tracing; torch leaves needing
+            gradients beside jax tracers in one call.
 
     Example:
-        >>> grad_kind({"a": np.ones(1), "b": [2.0]}) is None
+        >>> grad_kind({"a": np.ones(1), "b": [2.0]}, "psum") is None
         True
     """
     if type(x) is np.ndarray:
         return None
     if not isinstance(x, (dict, list, tuple)):
-        return _leaf_grad_kind(x)
-    kinds = {k for k in map(_leaf_grad_kind, tree_flatten(x)[0]) if k is not None}
+        return _leaf_grad_kind(x, where)
+    found = (_leaf_grad_kind(leaf, where) for leaf in tree_flatten(x)[0])
+    kinds = {k for k in found if k is not None}
     if len(kinds) > 1:
-        raise TypeError("torch tensors that require grad and jax tracers in one op call")
+        raise TypeError(f"{where}: torch tensors that require grad and jax tracers in one call")
     return kinds.pop() if kinds else None
 
 
@@ -120,7 +126,9 @@ def apply(kind: str, call: Call, x: Any, async_op: bool) -> Any:
             "the inputs"
         )
     call._leaves, call._treedef = tree_flatten(x)
-    call._slots = [i for i, leaf in enumerate(call._leaves) if _leaf_grad_kind(leaf) == kind]
+    call._slots = [
+        i for i, leaf in enumerate(call._leaves) if _leaf_grad_kind(leaf, call.where) == kind
+    ]
     diff = tuple(call._leaves[i] for i in call._slots)
     outs = _torch_function(call.op).apply(call, *diff) if kind == "torch" else _jax(call, diff)
     full = list(call.results)

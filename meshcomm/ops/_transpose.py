@@ -96,7 +96,7 @@ def _vary(cts: list[Any], axis_name: Any, mesh: DeviceMesh) -> list[Any]:
     from meshcomm.ops._autodiff import grad_kind
     from meshcomm.ops.casts import pcast
 
-    if grad_kind(cts) is None:
+    if grad_kind(cts, "backward") is None:
         return cts
     return list(pcast(cts, axis_name, to="varying", mesh=mesh))
 

@@ -81,7 +81,7 @@ def pcast(x: Any, axis_name: AxisName, *, to: str, mesh: DeviceMesh | None = Non
     if to not in ("varying", "invariant"):
         raise InvalidArgument(f"pcast: to must be 'varying' or 'invariant', got {to!r}")
     axis = resolve(axis_name, mesh, "pcast")
-    kind = grad_kind(x)
+    kind = grad_kind(x, axis.where)
     if kind is not None and axis.dims:
         forward = functools.partial(pcast, axis_name=axis_name, to=to, mesh=axis.mesh)
         if to == "varying":

@@ -188,7 +188,7 @@ def all_gather(
     """
     ax = resolve(axis_name, mesh, "all_gather")
     arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
-    kind = None if arr is not None else grad_kind(x)
+    kind = None if arr is not None else grad_kind(x, ax.where)
     if kind is not None:
         forward = functools.partial(all_gather, axis_name=axis_name, axis=axis, tiled=tiled,
                                     mesh=ax.mesh)  # fmt: skip
@@ -258,7 +258,7 @@ tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4
     """
     ax = resolve(axis_name, mesh, "psum_scatter")
     arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
-    kind = None if arr is not None else grad_kind(x)
+    kind = None if arr is not None else grad_kind(x, ax.where)
     if kind is not None:
         forward = functools.partial(psum_scatter, axis_name=axis_name, tiled=tiled,
                                     scatter_dimension=scatter_dimension, mesh=ax.mesh)  # fmt: skip
@@ -324,7 +324,7 @@ def all_to_all(
     """
     ax = resolve(axis_name, mesh, "all_to_all")
     arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
-    kind = None if arr is not None else grad_kind(x)
+    kind = None if arr is not None else grad_kind(x, ax.where)
     if kind is not None:
         forward = functools.partial(all_to_all, axis_name=axis_name, split_axis=split_axis,
                                     concat_axis=concat_axis, tiled=tiled, mesh=ax.mesh)  # fmt: skip

@@ -147,7 +147,7 @@ def ppermute(
     """
     axis = resolve(axis_name, mesh, "ppermute")
     pairs = _pairs(axis.where, perm, axis.size, "ppermute")
-    kind = grad_kind(x)
+    kind = grad_kind(x, axis.where)
     if kind is not None:
         forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
         rule = _transpose.ppermute_t(axis_name, axis.mesh, pairs)
@@ -205,7 +205,7 @@ def pshuffle(
             f"(the axis size): {list(sources)}"
         )
     pairs = tuple((s, i) for i, s in enumerate(sources))
-    kind = grad_kind(x)
+    kind = grad_kind(x, axis.where)
     if kind is not None:
         forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
         rule = _transpose.ppermute_t(axis_name, axis.mesh, pairs)
@@ -251,7 +251,7 @@ def pbroadcast(
     """
     axis = resolve(axis_name, mesh, "pbroadcast")
     src = index_arg(axis.where, source, axis.size, "source")
-    kind = grad_kind(x)
+    kind = grad_kind(x, axis.where)
     if kind is not None:
         forward = functools.partial(pbroadcast, axis_name=axis_name, source=src, mesh=axis.mesh)
         rule = _transpose.pbroadcast_t(axis_name, axis.mesh, src, axis.index)

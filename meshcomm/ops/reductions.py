@@ -139,7 +139,7 @@ def _reduce(
     axis = resolve(axis_name, mesh, name)
     arr = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor: its view
     if arr is None:
-        kind = grad_kind(x)
+        kind = grad_kind(x, axis.where)
         if kind is not None:
             forward = functools.partial(
                 _reduce, name, axis_name=axis_name, mesh=axis.mesh, async_op=False, op=op,
