@@ -41,7 +41,6 @@ import numpy as np
 __all__ = [
     "Rewrap",
     "is_jax_tracer",
-    "kind_of",
     "numpy_of_tensor",
     "tensor_of_numpy",
     "torch_tensor_type",
@@ -62,33 +61,6 @@ def torch_tensor_type() -> Any:
 
 def _module_root(x: Any) -> str:
     return type(x).__module__.partition(".")[0]
-
-
-def kind_of(x: Any) -> str:
-    """Name ``x``'s array kind: numpy, torch, torch-cuda, jax, jax-tracer, cupy or other.
-
-    Example:
-        >>> kind_of(np.zeros(1)), kind_of(3.0)
-        ('numpy', 'other')
-    """
-    if type(x) is np.ndarray:
-        return "numpy"
-    root = _module_root(x)
-    if root == "torch":
-        tensor = torch_tensor_type()
-        if tensor is not None and isinstance(x, tensor):
-            return "torch" if x.device.type == "cpu" else "torch-cuda"
-    elif root in ("jax", "jaxlib"):
-        if is_jax_tracer(x):
-            return "jax-tracer"
-        jax = sys.modules.get("jax")
-        if jax is not None and isinstance(x, jax.Array):
-            return "jax"
-    elif root == "cupy":
-        return "cupy"
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    return "other"
 
 
 def is_jax_tracer(x: Any) -> bool:
