@@ -147,12 +147,10 @@ def _unwrap_torch(t: Any, where: str) -> tuple[Any, Rewrap]:
             ) from None
     device = t.device
     cupy = _cupy()
-    if cupy is not None and t.device.type == "cuda":
+    # cupy has no bfloat16: such tensors take torch's own copies, as without cupy.
+    if cupy is not None and device.type == "cuda" and t.dtype is not torch.bfloat16:
         with cupy.cuda.Device(device.index):
-            if t.dtype is torch.bfloat16:
-                arr = cupy.from_dlpack(t.view(torch.int16)).view(_BF16)
-            else:
-                arr = cupy.from_dlpack(t)
+            arr = cupy.from_dlpack(t)
         return arr, lambda r: _to_torch_device(r, device)
     host, _ = _unwrap_torch(t.cpu(), where)
     return host, lambda r: _to_torch_device(r, device)
@@ -171,8 +169,6 @@ def _to_torch_device(result: Any, device: Any) -> Any:
 
     if isinstance(result, np.ndarray):
         return _to_torch_cpu(result).to(device)
-    if result.dtype == _BF16:
-        return torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(result)
 
 
