@@ -229,6 +229,29 @@ def test_tensor_parallel_block_matches_jax_grad(jax_expected: str, dp: int, tp: 
     assert not problems, "\n".join(problems[:10])
 
 
+# -- in one process ----------------------------------------------------------------------------
+def test_backward_runs_outside_with_mesh_on_the_forward_mesh() -> None:
+    import torch
+
+    from meshcomm import ops, world
+    from meshcomm.mesh import init_device_mesh
+
+    try:
+        mesh = init_device_mesh((1, 1), ("dp", "tp"))
+        x = torch.arange(6.0, dtype=torch.float64, requires_grad=True)
+        with mesh:
+            y = ops.all_gather(ops.pcast(x, "tp", to="varying"), ("dp", "tp"), tiled=True)
+            z = ops.psum_scatter(y * y, "tp", tiled=True)
+        assert z.grad_fn is not None and type(z.grad_fn).__name__ == "PsumScatterBackward"
+        z.sum().backward()  # no ambient mesh here: the captured one is used
+        assert torch.equal(x.grad, 2 * x.detach())
+        w = torch.ones(2, requires_grad=True)
+        with torch.no_grad():  # under no_grad nothing is recorded, pprod included
+            assert ops.pprod(w, "tp", mesh=mesh).grad_fn is None
+    finally:
+        world.shutdown()
+
+
 # -- gradcheck, op by op, at world 2 -------------------------------------------------------------
 def _op_cases() -> list[tuple[str, Any, tuple[int, ...], bool]]:
     """(name, fn(x) -> tensor or tuple, input shape, linear) for every differentiable op."""
