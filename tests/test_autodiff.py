@@ -370,6 +370,42 @@ def test_gradcheck_every_op_at_world_2() -> None:
     assert not problems, "\n".join(problems)
 
 
+def extremes_rank(group: Any) -> list[str]:
+    """pmax / pmin gradients with ties, in torch and in eager jax: shared equally."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import torch
+
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    mine = [[1.0, 3.0, 2.0], [1.0, 0.0, 5.0]][group.rank]
+    weights = np.array([1.0, 2.0, 3.0])
+    # position 0 ties (half each), 1 goes to rank 0, 2 to rank 1; pmin the other way round
+    want_max = [[0.5, 2.0, 0.0], [0.5, 0.0, 3.0]][group.rank]
+    want_min = [[0.5, 0.0, 3.0], [0.5, 2.0, 0.0]][group.rank]
+    problems = []
+    with init_device_mesh((2,), ("tp",)):
+        for name, want in (("pmax", want_max), ("pmin", want_min)):
+            op = getattr(ops, name)
+            t = torch.tensor(mine, requires_grad=True)
+            (op(t, "tp") * torch.from_numpy(weights)).sum().backward()
+            got_jax = jax.grad(lambda a, op=op: (op(a, "tp") * weights).sum())(jnp.asarray(mine))
+            for label, got in (("torch", t.grad.numpy()), ("jax", np.asarray(got_jax))):
+                if not np.allclose(got, want, rtol=0, atol=1e-12):
+                    problems.append(f"{name} {label} rank {group.rank}: {got} != {want}")
+    return problems
+
+
+def test_pmax_and_pmin_share_ties_in_torch_and_jax() -> None:
+    from meshcomm.testing import run_ranks
+
+    problems = [p for rank in run_ranks(extremes_rank, 2, timeout=120) for p in rank]
+    assert not problems, "\n".join(problems)
+
+
 # -- a tensor-parallel MLP trained for 20 steps on a (2, 2) mesh ---------------------------------
 def mlp_rank(group: Any) -> float:
     """Train Megatron-style on (dp, tp) = (2, 2); return the max difference from the same
