@@ -11,6 +11,7 @@ MeshCommError`` catches them all. The tree::
     │   ├── CommTimeout         a peer stayed silent past the timeout (also a TimeoutError)
     │   ├── PeerError           a peer went away (its process died, its connection closed)
     │   └── ProtocolError       bytes on the wire were not what the protocol allows
+    │       └── LinkAuthError   a peer link failed authentication (secret, relay, replay)
     ├── SpawnError              a process started by meshcomm.spawn failed; the others were stopped
     │   ├── ProcessRaisedException  its function raised (carries the child's traceback text)
     │   ├── ProcessExitedException  it exited non-zero or died from a signal
@@ -37,6 +38,7 @@ __all__ = [
     "CommError",
     "CommTimeout",
     "InvalidArgument",
+    "LinkAuthError",
     "MeshCommError",
     "PeerError",
     "ProcessExitedException",
@@ -152,3 +154,22 @@ def _signal_name(number: int) -> str:
 
 class InvalidArgument(MeshCommError, ValueError):
     """Bad input, detected before any byte left this process."""
+
+
+# -- link authentication (the tcp backend's peer links) ----------------------------------------
+
+
+class LinkAuthError(ProtocolError):
+    """A peer link failed authentication: the other end did not prove it holds this job's
+    secret (a different ``MESHCOMM_SECRET``, a secret on one side only, or another process
+    answering at the peer's address, e.g. a relay).
+
+    Attributes:
+        rank: the global rank the link was meant to reach, when known.
+        address: the ``host:port`` of the other end, when known.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, address: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.address = address

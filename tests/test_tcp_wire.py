@@ -215,7 +215,9 @@ def test_version_and_fields_checked() -> None:
     bad_version = good[:4] + struct.pack("<H", wire.VERSION + 1) + good[6:]
     dec = wire.Decoder()
     dec.receive_data(bad_version)
-    with pytest.raises(ProtocolError, match="version 2 differs from this side's 1"):
+    with pytest.raises(
+        ProtocolError, match=f"version {wire.VERSION + 1} differs from this side.s {wire.VERSION}"
+    ):
         dec.next_event()
     bad_rank = wire.encode_hello(wire.HELLO, rank=5, world_size=2, token=TOKEN)
     dec = wire.Decoder()
@@ -426,7 +428,7 @@ def test_handshake_offers_shared_memory_with_the_host_key() -> None:
     with pytest.raises(ValueError, match="flags"):
         wire.encode_hello(wire.REJECT, rank=0, world_size=2, token=TOKEN, flags=wire.F_SHM)
     bad = {
-        "flags 2 are not allowed": hello[:7] + b"\x02" + hello[8:],
+        "flags 4 are not allowed": hello[:7] + b"\x04" + hello[8:],
         "flags 1 are not allowed": wire.encode_hello(
             wire.REJECT, rank=0, world_size=2, token=TOKEN, reason="x"
         )[:7]
@@ -443,3 +445,43 @@ def test_handshake_offers_shared_memory_with_the_host_key() -> None:
         dec.receive_data(raw)
         with pytest.raises(ProtocolError, match=message):
             dec.next_event()
+
+
+def test_authenticated_handshake_round_trips() -> None:
+    nonce, proof = bytes(range(32)), bytes(range(32, 64))
+    hello = wire.encode_hello(
+        wire.HELLO,
+        rank=1,
+        world_size=2,
+        token=TOKEN,
+        flags=wire.F_SHM | wire.F_AUTH,
+        reason="boot/shm/ns",
+        nonce=nonce,
+    )
+    auth = wire.encode_auth(rank=0, world_size=2, token=TOKEN, nonce=nonce, proof=proof)
+    accept = wire.encode_hello(wire.ACCEPT, rank=0, world_size=2, token=TOKEN)
+    dec = wire.Decoder()
+    for i in range(len(hello + auth)):  # any split
+        dec.receive_data((hello + auth)[i : i + 1])
+        got = dec.next_event()
+        if got is wire.NEED_DATA:
+            continue
+        assert isinstance(got, wire.Hello)
+        if got.kind == wire.HELLO:
+            assert (got.flags, got.reason, got.nonce, got.proof) == (3, "boot/shm/ns", nonce, b"")
+            dec.expect_handshake()
+        else:
+            assert (got.kind, got.nonce, got.proof) == (wire.AUTH, nonce, proof)
+    dec = wire.Decoder()
+    dec.receive_data(accept + wire.encode_header(wire.DATA, comm_id=1, tag=0, length=0))
+    assert isinstance(dec.next_event(), wire.Hello)
+    assert isinstance(dec.next_event(), wire.FrameHeader)  # one handshake unless told
+    with pytest.raises(ValueError, match="nonce"):
+        wire.encode_hello(wire.HELLO, rank=1, world_size=2, token=TOKEN, flags=wire.F_AUTH)
+    with pytest.raises(ValueError, match="not allowed on a ACCEPT"):
+        wire.encode_hello(wire.ACCEPT, rank=1, world_size=2, token=TOKEN, flags=wire.F_AUTH)
+    bad_auth = auth[:7] + b"\x01" + auth[8:]
+    dec = wire.Decoder()
+    dec.receive_data(bad_auth)
+    with pytest.raises(ProtocolError, match="flags 1 are not allowed"):
+        dec.next_event()

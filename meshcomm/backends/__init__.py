@@ -13,7 +13,13 @@ BACKENDS = ("tcp", "mpi", "nccl", "self")
 
 
 def create_world_communicator(
-    backend: str, rank: int, size: int, store: Store | None, timeout: float
+    backend: str,
+    rank: int,
+    size: int,
+    store: Store | None,
+    timeout: float,
+    *,
+    secret: str | bytes | None = None,
 ) -> Communicator:
     """Create the world communicator of ``backend`` for this process.
 
@@ -23,6 +29,8 @@ def create_world_communicator(
         size: the world size.
         store: the rendezvous store (None only for a world of one).
         timeout: seconds every blocking call waits for a peer.
+        secret: the job's secret for the tcp backend's link authentication (None:
+            ``MESHCOMM_SECRET``; ``""``: none).
 
     Raises:
         InvalidArgument: unknown backend name, or a store is missing for a world above one.
@@ -42,5 +50,5 @@ def create_world_communicator(
     if backend == "tcp":
         from meshcomm.backends.tcp import TcpCommunicator
 
-        return TcpCommunicator.create_world(rank, size, store, timeout)
+        return TcpCommunicator.create_world(rank, size, store, timeout, secret=secret)
     raise InvalidArgument(f"backend {backend!r} is not available yet in this build of meshcomm")

@@ -95,7 +95,15 @@ class TcpCommunicator(Communicator):
         self._board: bool | None = None if self._board_max else False
 
     @classmethod
-    def create_world(cls, rank: int, size: int, store: Store, timeout: float) -> TcpCommunicator:
+    def create_world(
+        cls,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        *,
+        secret: str | bytes | None = None,
+    ) -> TcpCommunicator:
         """Start this process's transport and return the world communicator.
 
         Publishes this rank's listening address in ``store``; connections open on first use.
@@ -105,11 +113,14 @@ class TcpCommunicator(Communicator):
             size: the world size.
             store: the job's store (one per world: keys live under ``meshcomm/tcp/``).
             timeout: seconds without progress before a blocking call raises ``CommTimeout``.
+            secret: the job's secret: every link is mutually authenticated with it (see
+                :mod:`~meshcomm.backends.tcp.link_auth`). None (default) reads
+                ``MESHCOMM_SECRET``; ``""`` means none. Every rank must agree.
 
         Raises:
-            InvalidArgument: bad rank, size or timeout.
+            InvalidArgument: bad rank, size, timeout or secret.
         """
-        transport = Transport.start(rank, size, store, float(timeout))
+        transport = Transport.start(rank, size, store, float(timeout), secret=secret)
         return cls(transport, WORLD_ID, rank, range(size), float(timeout), owns_transport=True)
 
     @property

@@ -6,6 +6,12 @@ first message to a peer looks up its address in the store, connects, and says HE
 peer answers ACCEPT or REJECT. When two ranks connect to each other at once, the connection
 opened by the lower rank is kept and the other is refused as a duplicate.
 
+The accepting side's screening (the HELLO, and with a secret the AUTH exchange of
+:mod:`~meshcomm.backends.tcp.link_auth`) runs on the listener thread
+(:mod:`~meshcomm.backends.tcp.listener`); the engine takes the screened connections and
+decides ACCEPT or REJECT (a duplicate, a closed peer), since only it knows its connections.
+The connecting side's AUTH exchange runs here, in the engine.
+
 Shared memory is agreed in the handshake: a HELLO with ``F_SHM`` carries the sender's host
 key; the acceptor answers ACCEPT with ``F_SHM`` when the keys match and it wants shared
 memory too. Then both sides run :class:`~meshcomm.backends.tcp.shm.ShmHandshake` over SHM
@@ -29,10 +35,26 @@ import time
 from collections import deque
 
 from meshcomm.backends.tcp import wire
-from meshcomm.backends.tcp.addresses import addr_key, format_address, split_address, tune
+from meshcomm.backends.tcp.addresses import addr_key, split_address, tune
+from meshcomm.backends.tcp.link_auth import (
+    AUTH_REASON,
+    acceptor_proof,
+    connector_proof,
+    link_context,
+    matches,
+    new_nonce,
+)
+from meshcomm.backends.tcp.listener import LinkListener
 from meshcomm.backends.tcp.matching import CONTROL, Matching, Send
 from meshcomm.backends.tcp.shm import Doorbell, ShmHandshake, ShmPair
-from meshcomm.errors import CommError, CommTimeout, PeerError, ProtocolError, StoreError
+from meshcomm.errors import (
+    CommError,
+    CommTimeout,
+    LinkAuthError,
+    PeerError,
+    ProtocolError,
+    StoreError,
+)
 from meshcomm.store.base import Store
 
 __all__ = ["Channel", "Connections", "ShmMessage", "ShmSetup"]
@@ -54,10 +76,13 @@ class Channel:
 
     __slots__ = (
         "address",
+        "authed",
         "ctrl",
         "current",
         "decoder",
         "goodbye",
+        "hello_flags",
+        "nonce",
         "peer",
         "sock",
         "state",
@@ -75,6 +100,9 @@ class Channel:
         self.goodbye = False
         self.writing = False
         self.ctrl: deque[Send] = deque()  # SHM handshake frames: they go before any data
+        self.nonce = b""  # our HELLO's nonce (connecting with a secret)
+        self.hello_flags = 0  # our HELLO's flags
+        self.authed = False  # the acceptor proved the secret (connecting with a secret)
 
 
 class ShmMessage:
@@ -108,7 +136,8 @@ class Connections(Matching):
     rejected: list[str]
     _store: Store
     _token: bytes
-    _listener: socket.socket
+    _secret: bytes | None
+    _links: LinkListener
     _sel: selectors.BaseSelector
     _conns: dict[int, Channel]
     _tcp: dict[int, Channel]
@@ -139,8 +168,19 @@ class Connections(Matching):
     def _detach_shm(self, peer: int) -> None:
         raise NotImplementedError
 
+    def _publish_abort(self, record: str) -> None:
+        raise NotImplementedError
+
+    def _want_write(self, ch: Channel, on: bool) -> None:
+        raise NotImplementedError
+
     # -- opening -----------------------------------------------------------------------------
     def _ensure_connection(self, peer: int) -> None:
+        if self._links.parked:
+            self._accept()  # the peer's own connection may be waiting: no duplicate then
+            ch = self._tcp.get(peer)
+            if ch is not None:
+                self._want_write(ch, True)  # the caller queues its send behind this call
         if peer in self._conns or peer in self._connecting or peer in self._awaiting:
             return  # open (shared memory being set up), or on its way
         if peer in self._gone:
@@ -181,13 +221,18 @@ class Connections(Matching):
         sock.setblocking(False)
         ch = Channel(sock, _CONNECTING, peer, address)
         flags = wire.F_SHM if self._shm_wanted else 0
+        if self._secret is not None:
+            flags |= wire.F_AUTH
+            ch.nonce = new_nonce()
+        ch.hello_flags = flags
         hello = wire.encode_hello(
             wire.HELLO,
             rank=self.rank,
             world_size=self.size,
             token=self._token,
             flags=flags,
-            reason=self._host_key if flags else "",
+            reason=self._host_key if flags & wire.F_SHM else "",
+            nonce=ch.nonce,
         )
         try:
             sock.send(hello)  # a fresh socket's buffer always takes a handshake
@@ -212,45 +257,22 @@ class Connections(Matching):
             ) from None
 
     def _accept(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                # e.g. out of file descriptors: the listener stays readable, so pause a
-                # little rather than spin; the peer's connect waits in the backlog.
-                time.sleep(0.01)
-                return
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ch = Channel(sock, _ACCEPTING, -1, format_address(str(addr[0]), int(addr[1])))
-            self._sel.register(sock, selectors.EVENT_READ, ch)
-            self._accepting.add(ch)
+        """Take the connections the listener thread screened, and answer each."""
+        for parked in self._links.take():
+            ch = Channel(parked.sock, _ACCEPTING, -1, parked.address)
+            ch.decoder = wire.Decoder(handshake=False)  # the handshake was read already
+            self._sel.register(parked.sock, selectors.EVENT_READ, ch)
             self._progressed = True
+            self._admit(ch, parked.hello)
 
     def _on_hello(self, ch: Channel, hello: wire.Hello) -> None:
-        if ch.state is _CONNECTING:
-            self._on_answer(ch, hello)
-            return
-        if ch.state is not _ACCEPTING:
+        if ch.state is not _CONNECTING:
             raise ProtocolError(f"a second handshake from rank {ch.peer}")
-        try:
-            wire.check_hello(
-                hello,
-                kinds=[wire.HELLO],
-                token=self._token,
-                world_size=self.size,
-                peer=f"{ch.address}",
-            )
-        except ProtocolError as exc:
-            self._reject(ch, str(exc))
-            return
+        self._on_answer(ch, hello)
+
+    def _admit(self, ch: Channel, hello: wire.Hello) -> None:
+        """Answer a screened HELLO: ACCEPT, or REJECT a duplicate or a closed peer."""
         peer = hello.rank
-        if peer == self.rank:
-            self._reject(ch, f"rank {peer} is this process ({self.address})")
-            return
         if peer in self._gone:
             self._reject(ch, f"rank {peer} already closed its connection to rank {self.rank}")
             return
@@ -281,11 +303,16 @@ class Connections(Matching):
 
     def _on_answer(self, ch: Channel, hello: wire.Hello) -> None:
         peer = ch.peer
+        if hello.kind == wire.AUTH:
+            self._on_auth(ch, hello)
+            return
         if hello.kind == wire.REJECT:
             self._drop(ch)
             if hello.reason.startswith("duplicate connection"):
                 self._awaiting.add(peer)  # the peer's own connection to us is on its way
                 return
+            if hello.reason.startswith(AUTH_REASON):
+                raise self._auth_failed(ch, f"it refused this rank: {hello.reason}")
             raise ProtocolError(
                 f"rank {self.rank}: rank {peer} at {ch.address} refused the connection: "
                 f"{hello.reason}"
@@ -298,6 +325,8 @@ class Connections(Matching):
             peer=f"rank {peer} at {ch.address}",
             expect_rank=peer,
         )
+        if self._secret is not None and not ch.authed:
+            raise self._auth_failed(ch, "it accepted without proving it holds the job's secret")
         use_shm = bool(hello.flags & wire.F_SHM)
         if use_shm and not self._shm_wanted:
             raise ProtocolError(
@@ -306,6 +335,59 @@ class Connections(Matching):
             )
         del self._connecting[peer]
         self._opened(ch, peer, use_shm)
+
+    def _on_auth(self, ch: Channel, auth: wire.Hello) -> None:
+        """Check the acceptor's proof; answer with ours; the ACCEPT or REJECT comes next."""
+        peer = ch.peer
+        if self._secret is None or ch.authed:
+            raise ProtocolError(
+                f"rank {self.rank}: rank {peer} at {ch.address} sent an AUTH that was not asked for"
+            )
+        wire.check_hello(
+            auth,
+            kinds=[wire.AUTH],
+            token=self._token,
+            world_size=self.size,
+            peer=f"rank {peer} at {ch.address}",
+            expect_rank=peer,
+        )
+        context = link_context(
+            self._token,
+            self.size,
+            connector=self.rank,
+            acceptor=peer,
+            address=ch.address,
+            flags=ch.hello_flags,
+            host_key=self._host_key if ch.hello_flags & wire.F_SHM else "",
+        )
+        if not matches(acceptor_proof(self._secret, context, ch.nonce, auth.nonce), auth.proof):
+            raise self._auth_failed(
+                ch,
+                "its proof does not match this rank's secret (the ranks were given different "
+                "secrets, or another process answers at that address)",
+            )
+        ch.authed = True
+        answer = wire.encode_auth(
+            rank=self.rank,
+            world_size=self.size,
+            token=self._token,
+            nonce=ch.nonce,
+            proof=connector_proof(self._secret, context, ch.nonce, auth.nonce),
+        )
+        ch.ctrl.append(Send(peer, [answer], len(answer), CONTROL))
+        self._flush(ch)
+        ch.decoder.expect_handshake()
+
+    def _auth_failed(self, ch: Channel, why: str) -> LinkAuthError:
+        """Drop a link that failed authentication; tell the job; return the error to raise."""
+        peer = ch.peer
+        self._drop(ch)
+        record = (
+            f"rank {peer} at {ch.address} failed link authentication with rank {self.rank}: {why}"
+        )
+        # Every rank of the job fails within about a second instead of at its timeout.
+        self._publish_abort(record)
+        return LinkAuthError(f"rank {self.rank}: {record}", peer, ch.address)
 
     def _opened(self, ch: Channel, peer: int, use_shm: bool) -> None:
         self._accepting.discard(ch)

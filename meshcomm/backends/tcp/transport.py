@@ -21,7 +21,10 @@ operation needs a socket, it sleeps in ``select`` on the sockets instead, in sli
 GIL or for a core).
 
 Connection set-up lives in :mod:`~meshcomm.backends.tcp.connections`; addresses in
-:mod:`~meshcomm.backends.tcp.addresses`.
+:mod:`~meshcomm.backends.tcp.addresses`. The listening socket is served by a thread of its
+own (:mod:`~meshcomm.backends.tcp.listener`) that accepts at all times, screens handshakes
+(and with a job secret authenticates them, :mod:`~meshcomm.backends.tcp.link_auth`), and
+parks the good connections until the engine takes them.
 
 Faults: EOF or a reset on a peer's connection raises :class:`~meshcomm.errors.PeerError`
 naming that peer (after draining its ring, if any), and the detecting rank writes an abort
@@ -46,6 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from meshcomm._secret import job_secret
 from meshcomm.backends.tcp import cma, wire
 from meshcomm.backends.tcp.addresses import (
     addr_key,
@@ -63,6 +67,7 @@ from meshcomm.backends.tcp.connections import (
     ShmMessage,
 )
 from meshcomm.backends.tcp.link import TcpLink
+from meshcomm.backends.tcp.listener import LinkListener
 from meshcomm.backends.tcp.matching import (
     ANY_SOURCE,
     LINK_TAG,
@@ -148,7 +153,8 @@ class Transport(BoardEngine):
     """Channels to every peer of one world and the engine that moves their frames.
 
     Create it with :meth:`start`. All methods are thread-safe: calls are serialized by a
-    lock, and progress happens only inside calls (there is no background thread).
+    lock, and progress happens only inside calls (the one background thread accepts and
+    screens connections; it never touches a channel the engine owns).
 
     Attributes:
         rank: this process's global rank.
@@ -168,6 +174,7 @@ class Transport(BoardEngine):
         token: bytes,
         listener: socket.socket,
         address: str,
+        secret: bytes | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -175,9 +182,21 @@ class Transport(BoardEngine):
         self.address = address
         self._store = store
         self._token = token
-        self._listener = listener
+        self._secret = secret
+        self.rejected = []
+        self._links = LinkListener(
+            listener,
+            rank=rank,
+            size=size,
+            token=token,
+            secret=secret,
+            address=address,
+            rejected=self.rejected,
+            handshake_timeout=min(timeout, 10.0),
+            max_parked=max(64, 2 * size),
+        )
         self._sel = selectors.DefaultSelector()
-        self._sel.register(listener, selectors.EVENT_READ, None)
+        self._sel.register(self._links.wake, selectors.EVENT_READ, None)  # data None: parked
         self._lock = threading.Lock()
         self._conns = {}
         self._tcp = {}
@@ -204,17 +223,34 @@ class Transport(BoardEngine):
         self._spinner = Spinner(spin_policy(self._local_size), shares_cores(self._local_size))
         self._bell = None
         self._board = None
-        self.rejected = []
         self.shm_fallbacks = {}
+        self._links.start()
 
     @classmethod
-    def start(cls, rank: int, size: int, store: Store, timeout: float) -> Transport:
+    def start(
+        cls,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        *,
+        secret: str | bytes | None = None,
+    ) -> Transport:
         """Listen, agree on the job token, and publish this rank's address in the store.
 
         Nothing waits for other ranks: connections open on first use.
 
+        Args:
+            rank: this process's global rank.
+            size: the world size.
+            store: the job's store.
+            timeout: seconds without progress before ``CommTimeout``.
+            secret: the job's secret (every link is then mutually authenticated); None reads
+                ``MESHCOMM_SECRET``; ``""`` means none. Every rank must agree.
+
         Raises:
-            InvalidArgument: bad rank, size or timeout, or a bad ``MESHCOMM_TRANSPORT``.
+            InvalidArgument: bad rank, size, timeout or secret, or a bad
+                ``MESHCOMM_TRANSPORT``.
             RendezvousError: the store holds a malformed token.
         """
         if not isinstance(size, int) or size < 1:
@@ -223,6 +259,11 @@ class Transport(BoardEngine):
             raise InvalidArgument(f"rank must be in [0, {size}), got {rank!r}")
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be positive, got {timeout!r}")
+        if secret is not None and not isinstance(secret, (str, bytes)):
+            raise InvalidArgument(
+                f"rank {rank}: secret must be a str, bytes or None, got {type(secret).__name__}"
+            )
+        key = job_secret(secret)
         shm_enabled()  # validates MESHCOMM_TRANSPORT and MESHCOMM_SHM_SPIN_US before any I/O
         spin_policy(_local_size(size))
         # Every rank proposes a token; the first proposal in the store wins for all.
@@ -246,7 +287,7 @@ class Transport(BoardEngine):
         except BaseException:
             listener.close()
             raise
-        return cls(rank, size, store, timeout, bytes(token), listener, address)
+        return cls(rank, size, store, timeout, bytes(token), listener, address, key)
 
     # -- public operations -------------------------------------------------------------------
     @property
@@ -266,6 +307,11 @@ class Transport(BoardEngine):
         kinds.update({peer: "tcp" for peer in self._tcp})
         kinds.update({peer: "shm" for peer in self._shm})
         return dict(sorted(kinds.items()))
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether every link of this transport is authenticated with the job's secret."""
+        return self._secret is not None
 
     @property
     def job(self) -> str:
@@ -393,8 +439,8 @@ class Transport(BoardEngine):
             for ch in channels:
                 self._drop(ch)
             with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(self._listener)
-            self._listener.close()
+                self._sel.unregister(self._links.wake)
+            self._links.close()
             self._sel.close()
             self._unexpected.clear()
             self._board = None

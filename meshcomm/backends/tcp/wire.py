@@ -2,11 +2,13 @@
 
 A connection starts with one handshake message each way, then carries data frames::
 
-    handshake (36 bytes + reason)   magic "MCTP", version u16, kind u8 (HELLO, ACCEPT, REJECT),
-                                    flags u8 (F_SHM), sender's global rank u32, world size u32,
-                                    reason length u16, 2 pad bytes, job token (16 bytes),
-                                    then the reason: UTF-8 text of a REJECT, or the sender's
-                                    host key in a HELLO that has F_SHM
+    handshake (36 bytes + reason    magic "MCTP", version u16, kind u8 (HELLO, ACCEPT, REJECT,
+      + auth block)                 AUTH), flags u8 (F_SHM, F_AUTH), sender's global rank u32,
+                                    world size u32, reason length u16, 2 pad bytes, job token
+                                    (16 bytes), then the reason: UTF-8 text of a REJECT, or
+                                    the sender's host key in a HELLO that has F_SHM; then the
+                                    auth block: a 32-byte nonce in a HELLO with F_AUTH, a
+                                    32-byte nonce and a 32-byte proof in an AUTH
     frame header (32 bytes + meta)  marker "mc", kind u8, flags u8, meta length u16,
                                     2 reserved bytes, communicator id u64, tag i64,
                                     payload length u64; then the metadata, then the payload
@@ -19,7 +21,12 @@ payload in the sender's memory; the payload does not follow, the receiver copies
 Everything is little-endian. The connecting side sends HELLO; the accepting side answers
 ACCEPT or REJECT (with a reason). A HELLO with F_SHM offers shared memory and names the
 sender's host; an ACCEPT with F_SHM takes it (both then run the SHM frames' handshake before
-any data). Negative tags are reserved for meshcomm's own traffic.
+any data). A HELLO with F_AUTH (the job has a secret) carries the connector's nonce; then
+each side sends one AUTH (the acceptor first: its nonce and proof; the connector: its nonce
+again and its proof, see :mod:`~meshcomm.backends.tcp.link_auth`) before the acceptor's
+ACCEPT or REJECT. The decoder expects one handshake message unless told that another
+follows (:meth:`Decoder.expect_handshake`). Negative tags are reserved for meshcomm's own
+traffic.
 
 :class:`Decoder` takes bytes in any split and returns events one at a time. After a
 :class:`FrameHeader` event the caller names the buffer the payload goes to
@@ -55,10 +62,13 @@ from meshcomm.errors import ProtocolError
 
 __all__ = [
     "ARRAY",
+    "AUTH",
+    "AUTH_SIZE",
     "HEADER",
     "DATA",
     "FIN",
     "FIN_FRAME",
+    "F_AUTH",
     "F_SHM",
     "GOODBYE",
     "HANDSHAKE_SIZE",
@@ -70,6 +80,7 @@ __all__ = [
     "MAX_META",
     "MAX_PAYLOAD",
     "MAX_REASON",
+    "NONCE_SIZE",
     "NEED_DATA",
     "PAYLOAD_DONE",
     "RTS",
@@ -87,6 +98,7 @@ __all__ = [
     "dtype_from_wire",
     "dtype_to_wire",
     "encode_array_meta",
+    "encode_auth",
     "encode_header",
     "encode_hello",
     "pack_data_header",
@@ -94,16 +106,26 @@ __all__ = [
 ]
 
 MAGIC = b"MCTP"
-VERSION = 1
+# 2: F_AUTH and AUTH (link authentication); a version-1 peer is refused by its version.
+VERSION = 2
 TOKEN_SIZE = 16
+#: Bytes of a handshake nonce and of a handshake proof (HMAC-SHA256).
+NONCE_SIZE = 32
+#: Bytes of an AUTH message's auth block: nonce, then proof.
+AUTH_SIZE = 2 * NONCE_SIZE
 
 # Handshake kinds.
 HELLO = 1
 ACCEPT = 2
 REJECT = 3
-_HANDSHAKE_KINDS = {HELLO: "HELLO", ACCEPT: "ACCEPT", REJECT: "REJECT"}
+AUTH = 4
+_HANDSHAKE_KINDS = {HELLO: "HELLO", ACCEPT: "ACCEPT", REJECT: "REJECT", AUTH: "AUTH"}
 #: Handshake flag: HELLO offers shared memory (reason = host key); ACCEPT takes it.
 F_SHM = 1
+#: Handshake flag: HELLO of a job with a secret; its nonce follows the reason.
+F_AUTH = 2
+# Flags each handshake kind may carry.
+_KIND_FLAGS = {HELLO: F_SHM | F_AUTH, ACCEPT: F_SHM, REJECT: 0, AUTH: 0}
 
 # Frame kinds.
 DATA = 1  # raw bytes of a Link exchange
@@ -176,13 +198,15 @@ class Hello:
     """A handshake message: HELLO (connector), ACCEPT or REJECT (acceptor's answer).
 
     Attributes:
-        kind: HELLO, ACCEPT or REJECT.
+        kind: HELLO, ACCEPT, REJECT or AUTH.
         version: the sender's protocol version.
         rank: the sender's global rank.
         world_size: the sender's world size.
         token: the sender's job token.
         reason: why a REJECT rejected; the sender's host key in a HELLO with F_SHM.
-        flags: F_SHM or 0.
+        flags: F_SHM, F_AUTH (HELLO only), both, or 0.
+        nonce: the sender's nonce (HELLO with F_AUTH, AUTH), else empty.
+        proof: the sender's proof (AUTH), else empty.
     """
 
     kind: int
@@ -192,6 +216,8 @@ class Hello:
     token: bytes
     reason: str = ""
     flags: int = 0
+    nonce: bytes = b""
+    proof: bytes = b""
 
 
 class FrameHeader:
@@ -371,12 +397,19 @@ def decode_array_meta(meta: bytes | bytearray | memoryview) -> tuple[np.dtype, t
 
 
 def encode_hello(
-    kind: int, *, rank: int, world_size: int, token: bytes, reason: str = "", flags: int = 0
+    kind: int,
+    *,
+    rank: int,
+    world_size: int,
+    token: bytes,
+    reason: str = "",
+    flags: int = 0,
+    nonce: bytes = b"",
 ) -> bytes:
     """Encode a handshake message (HELLO, ACCEPT, or REJECT with a reason).
 
     ``flags`` may be F_SHM on a HELLO (then ``reason`` is the sender's host key) or on an
-    ACCEPT (no reason).
+    ACCEPT (no reason), and F_AUTH on a HELLO (then ``nonce`` is the connector's nonce).
 
     Example:
         >>> len(encode_hello(HELLO, rank=0, world_size=2, token=bytes(16)))
@@ -384,17 +417,46 @@ def encode_hello(
         >>> len(encode_hello(HELLO, rank=0, world_size=2, token=bytes(16), flags=F_SHM,
         ...                  reason="host"))
         40
+        >>> len(encode_hello(HELLO, rank=0, world_size=2, token=bytes(16), flags=F_AUTH,
+        ...                  nonce=bytes(32)))
+        68
     """
-    if kind not in _HANDSHAKE_KINDS:
+    if kind not in (HELLO, ACCEPT, REJECT):
         raise ValueError(f"handshake kind must be HELLO, ACCEPT or REJECT, got {kind}")
     if len(token) != TOKEN_SIZE:
         raise ValueError(f"job token must have {TOKEN_SIZE} bytes, got {len(token)}")
-    if flags not in (0, F_SHM) or (flags and kind == REJECT):
-        raise ValueError(f"handshake flags must be 0 or F_SHM (not on REJECT), got {flags}")
-    with_reason = kind == REJECT or (kind == HELLO and flags)
+    if flags & ~_KIND_FLAGS[kind]:
+        raise ValueError(
+            f"handshake flags {flags} are not allowed on a {_HANDSHAKE_KINDS[kind]} "
+            "(F_SHM on HELLO and ACCEPT, F_AUTH on HELLO, none on REJECT)"
+        )
+    if len(nonce) != (NONCE_SIZE if flags & F_AUTH else 0):
+        raise ValueError(
+            f"a HELLO with F_AUTH carries a {NONCE_SIZE}-byte nonce, nothing else does; "
+            f"got {len(nonce)} bytes with flags {flags}"
+        )
+    with_reason = kind == REJECT or (kind == HELLO and flags & F_SHM)
     raw_reason = reason.encode()[:MAX_REASON] if with_reason else b""
     head = _HANDSHAKE.pack(MAGIC, VERSION, kind, flags, rank, world_size, len(raw_reason), token)
-    return head + raw_reason
+    return head + raw_reason + bytes(nonce)
+
+
+def encode_auth(*, rank: int, world_size: int, token: bytes, nonce: bytes, proof: bytes) -> bytes:
+    """Encode an AUTH message: the sender's nonce and its proof of the job's secret.
+
+    Example:
+        >>> len(encode_auth(rank=0, world_size=2, token=bytes(16), nonce=bytes(32),
+        ...                 proof=bytes(32)))
+        100
+    """
+    if len(token) != TOKEN_SIZE:
+        raise ValueError(f"job token must have {TOKEN_SIZE} bytes, got {len(token)}")
+    if len(nonce) != NONCE_SIZE or len(proof) != NONCE_SIZE:
+        raise ValueError(
+            f"AUTH needs a {NONCE_SIZE}-byte nonce and proof, got {len(nonce)} and {len(proof)}"
+        )
+    head = _HANDSHAKE.pack(MAGIC, VERSION, AUTH, 0, rank, world_size, 0, token)
+    return head + bytes(nonce) + bytes(proof)
 
 
 def encode_header(kind: int, *, comm_id: int, tag: int, length: int, meta: bytes = b"") -> bytes:
@@ -500,7 +562,9 @@ class Decoder:
     """
 
     def __init__(self, bufsize: int = 64 * 1024, *, handshake: bool = True) -> None:
-        self._buf = bytearray(max(bufsize, HANDSHAKE_SIZE + MAX_REASON, HEADER_SIZE + MAX_META))
+        self._buf = bytearray(
+            max(bufsize, HANDSHAKE_SIZE + MAX_REASON + AUTH_SIZE, HEADER_SIZE + MAX_META)
+        )
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -579,6 +643,16 @@ class Decoder:
     def in_frame(self) -> bool:
         """Whether a frame is partly decoded (EOF now would cut it)."""
         return self._state in (_S_TARGET, _S_PAYLOAD) or self._end > self._start
+
+    def expect_handshake(self) -> None:
+        """Say that another handshake message comes next (the AUTH exchange of a link).
+
+        Raises:
+            RuntimeError: a frame is partly decoded.
+        """
+        if self._state not in (_S_HELLO, _S_HEADER):
+            raise RuntimeError("expect_handshake() is only valid between messages")
+        self._state = _S_HELLO
 
     # -- payload target ----------------------------------------------------------------------
     def set_target(self, target: memoryview) -> None:
@@ -707,17 +781,20 @@ class Decoder:
             raise self._fail(f"protocol version {version} differs from this side's {VERSION}")
         if kind not in _HANDSHAKE_KINDS:
             raise self._fail(f"unknown handshake kind {kind}")
-        if flags & ~F_SHM or (flags and kind == REJECT):
+        if flags & ~_KIND_FLAGS[kind]:
             raise self._fail(f"handshake flags {flags} are not allowed on this handshake")
-        may_reason = kind == REJECT or (kind == HELLO and flags)
+        may_reason = kind == REJECT or (kind == HELLO and flags & F_SHM)
         if reason_len > MAX_REASON or (reason_len and not may_reason):
             raise self._fail(f"handshake reason of {reason_len} bytes is not allowed here")
         if world < 1 or rank >= world:
             raise self._fail(f"handshake rank {rank} is outside a world of {world}")
-        if avail < HANDSHAKE_SIZE + reason_len:
+        extra = AUTH_SIZE if kind == AUTH else NONCE_SIZE if flags & F_AUTH else 0
+        end = start + HANDSHAKE_SIZE + reason_len
+        if avail < HANDSHAKE_SIZE + reason_len + extra:
             return NEED_DATA
-        raw = bytes(self._buf[start + HANDSHAKE_SIZE : start + HANDSHAKE_SIZE + reason_len])
-        self._start = start + HANDSHAKE_SIZE + reason_len
+        text = bytes(self._buf[start + HANDSHAKE_SIZE : end]).decode(errors="replace")
+        nonce = bytes(self._buf[end : end + min(extra, NONCE_SIZE)])
+        proof = bytes(self._buf[end + NONCE_SIZE : end + extra]) if kind == AUTH else b""
+        self._start = end + extra
         self._state = _S_HEADER
-        text = raw.decode(errors="replace")
-        return Hello(kind, version, rank, world, bytes(token), text, flags)
+        return Hello(kind, version, rank, world, bytes(token), text, flags, nonce, proof)
