@@ -46,6 +46,7 @@ __all__ = ["LinkListener", "Parked"]
 _READ = 4096  # more than any handshake message; a peer never sends more before the answer
 _STOP = object()
 _JOIN_TIMEOUT = 5.0
+_DRAIN_READS = 16
 
 
 class Parked:
@@ -190,7 +191,7 @@ class LinkListener:
                     if key.data is _STOP:
                         return
                     if key.data is None:
-                        self._accept(sel)
+                        self._accept_some(sel)
                     elif key.fileobj in self._screening:
                         self._screen(sel, key.data)
                 self._expire(sel)
@@ -198,6 +199,13 @@ class LinkListener:
             for conn in list(self._screening.values()):
                 self._close(sel, conn)
             sel.close()
+
+    def _accept_some(self, sel: selectors.BaseSelector) -> None:
+        try:
+            self._accept(sel)
+        except Exception as exc:  # the door must stay open: note it, pause, go on
+            self._note(f"accepting failed: {exc!r}")
+            time.sleep(0.01)
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         # A bounded batch per wake-up: the deadlines of those already in progress still count.
@@ -377,8 +385,10 @@ class LinkListener:
 
     def _close(self, sel: selectors.BaseSelector, conn: _Screening) -> None:
         self._forget(sel, conn)
-        # Read what is left so close() sends FIN, not RST (the REJECT must arrive).
+        # Read what is left so close() sends FIN, not RST (the REJECT must arrive); a few
+        # reads at most, since a stranger may keep sending.
         with contextlib.suppress(OSError):
-            while conn.sock.recv(65536):
-                pass
+            for _ in range(_DRAIN_READS):
+                if not conn.sock.recv(65536):
+                    break
         conn.sock.close()
