@@ -114,6 +114,9 @@ TOKEN_KEY = "meshcomm/tcp/token"
 ABORT_KEY = "meshcomm/tcp/abort"
 
 _ABORT_CHECK_INTERVAL = 1.0
+# The listener thread empties the backlog between GIL slices of a busy rank: room for a
+# burst of connections meanwhile.
+_BACKLOG = 1024
 # Payloads up to this size are copied behind their header and sent as one buffer.
 _COALESCE_MAX = 16 * 1024
 # Sleeping on the doorbell, look at the sockets at least this often.
@@ -280,7 +283,7 @@ class Transport(BoardEngine):
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tune(listener)  # accepted sockets inherit the buffer sizes
             listener.bind((bind_host, 0))
-            listener.listen(max(128, size))
+            listener.listen(max(_BACKLOG, size))
             listener.setblocking(False)
             address = format_address(adv_host, listener.getsockname()[1])
             store.set(addr_key(rank), address)
