@@ -7,6 +7,7 @@ transports.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -22,7 +23,7 @@ import pytest
 from meshcomm.backends.tcp import TcpCommunicator, wire
 from meshcomm.backends.tcp.link_auth import connector_proof, link_context, new_nonce
 from meshcomm.backends.tcp.transport import ANY_SOURCE, TOKEN_KEY, Transport, addr_key
-from meshcomm.errors import LinkAuthError, ProtocolError
+from meshcomm.errors import InvalidArgument, LinkAuthError, ProtocolError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store import HashStore, StoreServer, TCPStore
 
@@ -408,3 +409,54 @@ def test_flood_and_slowloris_at_idle_ranks(transport: str) -> None:
             client.set("test/done", b"1")
             runner.join(120)
             client.close()
+
+
+def test_hostile_bytes_never_stop_the_listener() -> None:
+    # Random bytes and mutated real handshakes, of any length, some left open, some closed
+    # half way; the rank then still authenticates its real peer.
+    rng = np.random.default_rng(17)
+    store = HashStore(timeout=TIMEOUT)
+    zero = Transport.start(0, 2, store, TIMEOUT, secret=SECRET)
+    one = Transport.start(1, 2, store, TIMEOUT, secret=SECRET)
+    token = store.get(TOKEN_KEY)
+    host, port = zero.address.rsplit(":", 1)
+    valid = wire.encode_hello(
+        wire.HELLO,
+        rank=1,
+        world_size=2,
+        token=token,
+        flags=wire.F_AUTH | wire.F_SHM,
+        reason="host",
+        nonce=new_nonce(),
+    ) + wire.encode_auth(rank=1, world_size=2, token=token, nonce=bytes(32), proof=bytes(32))
+    kept: list[socket.socket] = []
+    try:
+        for i in range(300):
+            raw = bytearray(valid if i % 2 else rng.bytes(int(rng.integers(0, 3000))))
+            for _ in range(int(rng.integers(0, 4))):  # flip a few bytes of the real thing
+                if raw:
+                    raw[int(rng.integers(0, len(raw)))] = int(rng.integers(0, 256))
+            raw = raw[: int(rng.integers(0, len(raw) + 1))]
+            s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+            with contextlib.suppress(OSError):  # the rank may close first
+                s.sendall(bytes(raw))
+            if i % 3:
+                s.close()
+            else:
+                kept.append(s)
+        sender = threading.Thread(target=one.send_array, args=(0, 9, 0, np.arange(4)))
+        sender.start()
+        array, source = zero.recv_array(0, 9, 1)
+        sender.join(TIMEOUT)
+        assert source == 1 and array.tolist() == [0, 1, 2, 3]
+        assert zero.failure is None and zero._links.screening <= 128
+    finally:
+        for s in kept:
+            s.close()
+        zero.close()
+        one.close()
+
+
+def test_secret_of_the_wrong_type_fails_before_io() -> None:
+    with pytest.raises(InvalidArgument, match="secret must be a str, bytes or None, got int"):
+        Transport.start(0, 2, HashStore(timeout=5), 5.0, secret=1234)  # type: ignore[arg-type]
