@@ -184,6 +184,8 @@ class LinkListener:
             sel.register(self._listener, selectors.EVENT_READ, None)
             sel.register(self._stop_r, selectors.EVENT_READ, _STOP)
             while True:
+                # Idle, sleep until a connection or close() (the stop socket) says so: no
+                # periodic wake-up competes with the engine for the GIL.
                 timeout = None
                 if self._screening:
                     first = next(iter(self._screening.values()))
