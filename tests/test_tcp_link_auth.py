@@ -460,3 +460,106 @@ def test_hostile_bytes_never_stop_the_listener() -> None:
 def test_secret_of_the_wrong_type_fails_before_io() -> None:
     with pytest.raises(InvalidArgument, match="secret must be a str, bytes or None, got int"):
         Transport.start(0, 2, HashStore(timeout=5), 5.0, secret=1234)  # type: ignore[arg-type]
+
+
+# -- the attack of issue 17: addresses rewritten in the store, frames relayed and changed ------
+
+
+def relayed_all_reduce(comm: TcpCommunicator, store: Any) -> list[float]:
+    store.set(f"test/ready/{comm.rank}", b"1")
+    store.wait(["test/go"], timeout=60)
+    sums = []
+    for _ in range(5):
+        buf = np.array([comm.rank + 1.0])
+        comm.all_reduce(buf, ReduceOp.SUM)
+        sums.append(float(buf[0]))
+    return sums
+
+
+class _Tamperer:
+    """Listens, forwards each connection to ``target``, and changes the float64 1.0 and 2.0
+    it sees on the way into 1000.0 and 1001.0 (what the issue's reproduction did)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._serve)]
+        self.threads[0].start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(self.target, timeout=TIMEOUT)
+            for src, dst in ((client, upstream), (upstream, client)):
+                t = threading.Thread(target=self._pump, args=(src, dst))
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(0.2)
+        one, two = np.float64(1.0).tobytes(), np.float64(2.0).tobytes()
+        while not self.stop.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            data = data.replace(one, np.float64(1000.0).tobytes())
+            data = data.replace(two, np.float64(1001.0).tobytes())
+            with contextlib.suppress(OSError):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(TIMEOUT)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("secret", ["", SECRET], ids=["no-secret", "secret"])
+def test_relay_that_changes_frames(secret: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHCOMM_TRANSPORT", "tcp")  # frames through the sockets, not rings
+    with StoreServer("127.0.0.1", 0) as server:
+        client = TCPStore("127.0.0.1", server.port, timeout=30)
+        outcome: dict[int, tuple[str, Any]] = {}
+        runner = threading.Thread(
+            target=lambda: outcome.update(
+                run_ranks("relayed_all_reduce", [secret] * 2, timeout=5.0, server=server)
+            )
+        )
+        runner.start()
+        relays: list[_Tamperer] = []
+        try:
+            client.wait(["test/ready/0", "test/ready/1"], timeout=60)
+            for rank in range(2):  # the attacker's edit of both addresses
+                host, port = client.get(addr_key(rank)).decode().rsplit(":", 1)
+                relays.append(_Tamperer((host, int(port))))
+                client.set(addr_key(rank), relays[-1].address)
+            client.set("test/go", b"1")
+            runner.join(120)
+        finally:
+            client.set("test/go", b"1")
+            runner.join(120)
+            for relay in relays:
+                relay.close()
+            client.close()
+    if not secret:  # the reproduction: both ranks exit happily with wrong sums
+        sums = ok_values(outcome)
+        assert any(s != 3.0 for rank_sums in sums for s in rank_sums), sums
+        return
+    # With the secret no rank returns a sum; the handshake through the relay fails.
+    assert all(status == "error" for status, _ in outcome.values()), outcome
+    kinds = {value[0] for _, value in outcome.values()}
+    assert "LinkAuthError" in kinds, outcome
+    assert kinds <= {"LinkAuthError", "PeerError"}, outcome
