@@ -254,6 +254,11 @@ class Transport(BoardEngine):
         """The error that broke this transport, or None while it works."""
         return self._failure
 
+    def raise_failure(self) -> None:
+        """Raise (a replay of) the error that broke this transport, if one did."""
+        if self._failure is not None:
+            raise _replay(self._failure)
+
     @property
     def connected_peers(self) -> list[int]:
         """Global ranks this process has an open connection to (for diagnostics)."""
