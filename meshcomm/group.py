@@ -155,7 +155,8 @@ class ProcessGroup:
         # Every group has an engine of its own: its operations keep issue order among
         # themselves and never wait for another group's (MPI and NCCL order per communicator
         # too), so mesh axes overlap and threads on different groups cannot deadlock.
-        self._engine = ProgressEngine(f"rank {me} in group {name!r}")
+        pools = None if _parent is None else (_parent._engine.pool, _parent._engine.results)
+        self._engine = ProgressEngine(f"rank {me} in group {name!r}", pools)
         if _parent is None:
             self._debug = _debug_from_env() if debug is None else bool(debug)
         else:

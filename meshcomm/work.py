@@ -122,15 +122,19 @@ class ProgressEngine:
 
     Args:
         where: names this rank and group in error messages (``"rank 2 in group 'world'"``).
+        pools: the scratch and result pools to use, shared with other engines (both are
+            thread-safe): a world's groups share one pair, so memory cached for reuse does
+            not grow with the number of groups. None: pools of its own.
 
     Attributes:
-        pool: the group's scratch buffers.
-        results: the result buffers the group hands out (recycled once dropped).
+        pool: scratch buffers (shared by the world's groups).
+        results: the result buffers the group hands out, recycled once dropped (shared by
+            the world's groups).
         healthy: False once the group failed or was closed (a one-attribute check for the
             hot path; :meth:`check` says why).
     """
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, pools: tuple[ScratchPool, ResultPool] | None = None) -> None:
         self._where = where
         # A plain lock under the condition: the inline path takes it directly (C code),
         # and notifies only when someone waits (``_waiting``).
@@ -145,8 +149,7 @@ class ProgressEngine:
         self._failure_label = ""
         self._thread: threading.Thread | None = None
         self._thread_id: int | None = None
-        self.pool = ScratchPool()
-        self.results = ResultPool()
+        self.pool, self.results = pools or (ScratchPool(), ResultPool())
         self.healthy = True
 
     # -- state ---------------------------------------------------------------------------
