@@ -156,7 +156,7 @@ class ProcessGroup:
         # themselves and never wait for another group's (MPI and NCCL order per communicator
         # too), so mesh axes overlap and threads on different groups cannot deadlock.
         pools = None if _parent is None else (_parent._engine.pool, _parent._engine.results)
-        self._engine = ProgressEngine(f"rank {me} in group {name!r}", pools)
+        self._engine: ProgressEngine = ProgressEngine(f"rank {me} in group {name!r}", pools)
         if _parent is None:
             self._debug = _debug_from_env() if debug is None else bool(debug)
         else:
