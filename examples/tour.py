@@ -126,6 +126,23 @@ def gradient_step(mesh: DeviceMesh) -> int:
     return 0 if ok else 1
 
 
+def overlap_step(mesh: DeviceMesh) -> int:
+    """The N-D training pattern: the data-parallel gradient mean in flight (async) while a
+    tensor-parallel psum runs; each axis has its own engine, so neither waits for the other.
+    Returns failures on this rank."""
+    dp, tp = mesh.get_coordinate()
+    grads = np.full(1 << 18, float(dp + 1))  # 2 MiB of "gradients"
+    pending = ops.pmean(grads, "dp", async_op=True)  # in flight on the 'dp' groups
+    h = ops.psum(np.float64(tp), "tp")  # runs now, on the 'tp' groups
+    mean = pending.wait(timeout=60)
+    n_dp, n_tp = mesh.size("dp"), mesh.size("tp")
+    ok = bool(mean[0] == mean[-1] == (n_dp + 1) / 2) and float(h) == n_tp * (n_tp - 1) / 2
+    if mesh.get_rank() == 0:
+        verdict = "ok" if ok else "FAILED"
+        print(f"  a psum over 'tp' while the 'dp' gradient pmean was in flight: {verdict}")
+    return 0 if ok else 1
+
+
 def bandwidth_table(mesh: DeviceMesh) -> None:
     """Time psum along each axis for a few sizes; rank 0 prints nccl-tests-like rows."""
     lead = mesh.get_rank() == 0
@@ -172,6 +189,7 @@ def main() -> int:
                 print("  each collective, checked on every rank against numpy:")
             failures = run_checks(mesh)
             failures += gradient_step(mesh)
+            failures += overlap_step(mesh)
             total = int(ops.psum(np.int64(failures), ("dp", "tp")))
             bandwidth_table(mesh)
             if lead:

@@ -37,10 +37,13 @@ Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
 methods are annotated ``Any`` for that reason.
 
-Order and threads: all groups of one world share a progress engine that runs operations
-one at a time, in issue order. A synchronous call that finds nothing queued runs inline on
-the caller's thread. After a communication error the world fails fast: every later
-operation on any of its groups raises :class:`~meshcomm.errors.CommError` naming it.
+Order and threads: every group has a progress engine of its own that runs the group's
+operations one at a time, in issue order; operations of different groups never wait for
+each other, so any thread may call collectives on any group and mesh axes overlap. A
+synchronous call that finds nothing queued on its group runs inline on the caller's thread.
+After a communication error the group fails fast: every later operation on it raises
+:class:`~meshcomm.errors.CommError` naming the first failure (a dead peer fails every group
+it belongs to; groups without it keep working).
 
 Debugging: with ``MESHCOMM_DEBUG=DETAIL`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) when a
 group is created, every collective first all-gathers a fingerprint of the call (see
@@ -149,15 +152,22 @@ class ProcessGroup:
         self.name = name
         me = comm.global_ranks[comm.rank]
         self._where = f"rank {me} in group {name!r} (size {comm.size})"
+        # Every group has an engine of its own: its operations keep issue order among
+        # themselves and never wait for another group's (MPI and NCCL order per communicator
+        # too), so mesh axes overlap and threads on different groups cannot deadlock.
+        pools = None if _parent is None else (_parent._engine.pool, _parent._engine.results)
+        self._engine: ProgressEngine = ProgressEngine(f"rank {me} in group {name!r}", pools)
         if _parent is None:
-            self._engine = ProgressEngine(f"rank {me} in world {name!r}")
             self._debug = _debug_from_env() if debug is None else bool(debug)
         else:
-            self._engine = _parent._engine
             self._debug = _parent._debug if debug is None else bool(debug)
-        self._owns_engine = _parent is None
         self._seq = 0
         self._children = 0
+        # Closing a group closes the groups made from it first (they may share its
+        # communicator's resources: the MPI world, the tcp store).
+        self._kids: list[ProcessGroup] = []
+        if _parent is not None:
+            _parent._kids.append(self)
         self._closed = False
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
@@ -971,8 +981,8 @@ class ProcessGroup:
     def close(self) -> None:
         """Release the group's communicator once queued operations have run. Idempotent.
 
-        Closing the world group also closes the world's engine: its sub-groups refuse to
-        run afterwards. Any later operation on a closed group raises CommError.
+        Closing a group closes the groups made from it first (closing the world closes
+        them all). Any later operation on a closed group raises CommError.
 
         Example:
             >>> g = ProcessGroup(SelfCommunicator())
@@ -990,14 +1000,10 @@ class ProcessGroup:
             self._direct_bcast,
         ):
             runners.clear()  # the direct paths do not check _closed
-        if self._owns_engine:
-            self._engine.close(f"the world group {self.name!r} was closed", self.timeout)
-            self._comm.close()
-            return
-        try:
-            self._engine.submit(self._comm.close, f"close on {self._where}", async_op=False)
-        except CommError:
-            self._comm.close()  # the world failed or closed: release what we hold anyway
+        for kid in list(self._kids):
+            kid.close()
+        self._engine.close(f"the group {self.name!r} was closed", self.timeout)
+        self._comm.close()
 
     def __enter__(self) -> ProcessGroup:
         return self

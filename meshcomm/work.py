@@ -1,17 +1,18 @@
-"""Asynchronous operations: :class:`Work` handles and the per-world progress engine.
+"""Asynchronous operations: :class:`Work` handles and the per-group progress engine.
 
-Every operation of a world and of all its sub-groups runs through one
-:class:`ProgressEngine`, strictly in issue order, one at a time (a communicator is used by
-one thread at a time, and every rank must run collectives in the same order). A
+Every operation of a process group runs through the group's :class:`ProgressEngine`,
+strictly in issue order, one at a time (a communicator is used by one thread at a time,
+and every rank must run a group's collectives in the same order). Each group has its own
+engine, so operations of different groups progress independently. A
 synchronous call that finds nothing queued runs inline on the caller's thread; anything
 else is queued for the engine's progress thread, which starts on first need.
 
-The engine also holds the world's fate: the first communication failure poisons it, and
-every later operation of the world (already queued, or issued later) raises
+The engine also holds the group's fate: the first communication failure poisons it, and
+every later operation of the group (already queued, or issued later) raises
 :class:`~meshcomm.errors.CommError` at once, naming that first failure.
 
 Example:
-    >>> engine = ProgressEngine("rank 0 in world 'demo'")
+    >>> engine = ProgressEngine("rank 0 in group 'demo'")
     >>> work = engine.submit(lambda: 41 + 1, "answer", async_op=True)
     >>> work.wait(timeout=10)
     42
@@ -98,7 +99,7 @@ class Work(Generic[T]):
         """Return a ``concurrent.futures.Future`` that completes with the operation.
 
         Callbacks added with ``add_done_callback`` run on the progress thread; they must not
-        wait on other operations of the same world.
+        wait on other operations of the same group.
         """
         return self._future
 
@@ -117,19 +118,23 @@ class Work(Generic[T]):
 
 
 class ProgressEngine:
-    """Runs one world's operations in issue order, inline or on a progress thread.
+    """Runs one group's operations in issue order, inline or on a progress thread.
 
     Args:
-        where: names this rank and world in error messages (``"rank 2 in world 'world'"``).
+        where: names this rank and group in error messages (``"rank 2 in group 'world'"``).
+        pools: the scratch and result pools to use, shared with other engines (both are
+            thread-safe): a world's groups share one pair, so memory cached for reuse does
+            not grow with the number of groups. None: pools of its own.
 
     Attributes:
-        pool: scratch buffers shared by the world's groups.
-        results: the result buffers the world's groups hand out (recycled once dropped).
-        healthy: False once the world failed or was closed (a one-attribute check for the
+        pool: scratch buffers (shared by the world's groups).
+        results: the result buffers the group hands out, recycled once dropped (shared by
+            the world's groups).
+        healthy: False once the group failed or was closed (a one-attribute check for the
             hot path; :meth:`check` says why).
     """
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, pools: tuple[ScratchPool, ResultPool] | None = None) -> None:
         self._where = where
         # A plain lock under the condition: the inline path takes it directly (C code),
         # and notifies only when someone waits (``_waiting``).
@@ -144,18 +149,17 @@ class ProgressEngine:
         self._failure_label = ""
         self._thread: threading.Thread | None = None
         self._thread_id: int | None = None
-        self.pool = ScratchPool()
-        self.results = ResultPool()
+        self.pool, self.results = pools or (ScratchPool(), ResultPool())
         self.healthy = True
 
     # -- state ---------------------------------------------------------------------------
     @property
     def failure(self) -> BaseException | None:
-        """The exception that poisoned the world, or None."""
+        """The exception that poisoned the group, or None."""
         return self._failure
 
     def check(self, label: str) -> None:
-        """Raise CommError if the world has failed or was closed."""
+        """Raise CommError if the group has failed or was closed."""
         error = self._refusal(label)
         if error is not None:
             raise error from self._failure
@@ -164,7 +168,7 @@ class ProgressEngine:
         if self._failure is not None:
             first = self._failure
             return CommError(
-                f"{label}: the world failed earlier, so no operation can run in it any more; "
+                f"{label}: the group failed earlier, so no operation can run in it any more; "
                 f"the first failure was in {self._failure_label}: {type(first).__name__}: {first}"
             )
         if closed and self._closed_reason is not None:
@@ -172,7 +176,7 @@ class ProgressEngine:
         return None
 
     def poison(self, exc: BaseException, label: str) -> None:
-        """Record the world's first failure; later operations refuse to run."""
+        """Record the group's first failure; later operations refuse to run."""
         with self._cv:
             if self._failure is None:
                 self._failure, self._failure_label = exc, label
@@ -183,8 +187,8 @@ class ProgressEngine:
         """Run ``fn`` in issue order; return its result, or a :class:`Work` if ``async_op``.
 
         Raises:
-            CommError: the world failed or was closed (nothing is queued then).
-            Exception: a synchronous ``fn`` raised (and the world is poisoned).
+            CommError: the group failed or was closed (nothing is queued then).
+            Exception: a synchronous ``fn`` raised (and the group is poisoned).
         """
         if not async_op and self.claim():
             return self.run_claimed(fn, label)
@@ -206,7 +210,7 @@ class ProgressEngine:
     def claim(self) -> bool:
         """Take the engine for one synchronous operation that the caller runs itself.
 
-        True when the world is healthy, nothing is queued or running, and the caller is not
+        True when the group is healthy, nothing is queued or running, and the caller is not
         the progress thread: the operation may run now, in the caller's thread, and the
         caller must :meth:`release` the engine after it (:meth:`run_claimed` does both).
         False: go through :meth:`submit`.
@@ -235,7 +239,7 @@ class ProgressEngine:
         """Run ``fn`` on the engine taken with :meth:`claim`, then release it.
 
         Raises:
-            Exception: whatever ``fn`` raised (the world is poisoned then).
+            Exception: whatever ``fn`` raised (the group is poisoned then).
         """
         try:
             return self._run(fn, label)
@@ -298,7 +302,7 @@ class ProgressEngine:
             finally:
                 self._waiting -= 1
 
-    def close(self, reason: str = "the world was closed", timeout: float = 10.0) -> None:
+    def close(self, reason: str = "the group was closed", timeout: float = 10.0) -> None:
         """Refuse new operations, let queued ones finish (up to ``timeout``), stop the thread.
 
         Operations still queued after ``timeout`` fail with CommError. Idempotent.

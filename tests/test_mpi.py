@@ -188,6 +188,21 @@ def _reduce_cases() -> list[tuple[str, str, np.ndarray, Callable[[int], np.ndarr
 
 
 @case
+def threads_on_groups(shape: str) -> list[str]:
+    """One thread per group, each looping jittered all_reduces (test_group_overlap's case)."""
+    import test_group_overlap  # this file runs as a script from tests/
+
+    import meshcomm
+
+    group = meshcomm.init(backend="mpi")
+    try:
+        dims = tuple(int(d) for d in shape.split("x"))
+        return test_group_overlap.threads_on_groups(group, dims, 200)
+    finally:
+        meshcomm.shutdown()
+
+
+@case
 def dtypes() -> list[str]:
     """Reductions of edge-case dtypes against numpy in the same dtype, on every root."""
     import meshcomm
@@ -845,3 +860,8 @@ def test_info_outside_a_launcher_asks_mpi_in_a_child() -> None:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+@pytest.mark.parametrize(("nprocs", "shape"), [(2, "2"), (3, "3"), (4, "2x2")])
+def test_threads_on_two_groups_progress_independently(nprocs: int, shape: str) -> None:
+    assert run_case(nprocs, "threads_on_groups", shape) == [[]] * nprocs

@@ -131,8 +131,9 @@ def _collectives(comm: TcpCommunicator) -> bool:
 def _unexpected_large(comm: TcpCommunicator) -> bool:
     # Rank 1 sends big payloads before rank 0 posts their receives: an address (RTS) that
     # arrives first must be read at once, so the sender's exchange can return. They go on a
-    # communicator of their own, so that the barrier's frames cannot match them.
-    pair = comm.sub([0, 1]) if comm.rank < 2 else None
+    # communicator of their own (on the same transport), so that the barrier's frames
+    # cannot match them.
+    pair = comm.sub([0, 1], own_transport=False) if comm.rank < 2 else None
     ok = True
     if comm.rank == 1:
         assert pair is not None

@@ -75,11 +75,11 @@ def _failure(comm: TcpCommunicator, exc: CommError, started: float) -> dict[str,
         "channels": comm.transport.channels,
         "names_at_failure": _leftovers(comm.transport.job),
     }
-    # Fail fast afterwards, on this communicator and on one made before the failure.
-    for other in (comm, comm.sub(list(range(comm.size)))):
+    # Fail fast afterwards: this communicator, and making a group of the failed world.
+    for attempt in (comm.barrier, lambda: comm.sub(list(range(comm.size)))):
         t0 = time.monotonic()
         try:
-            other.barrier()
+            attempt()
         except CommError as again:
             report.setdefault("again", []).append(
                 (type(again).__name__, str(again), time.monotonic() - t0)

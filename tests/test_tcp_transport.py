@@ -122,8 +122,8 @@ def all_pairs(comm: TcpCommunicator, store: object) -> bool:
 
 
 def two_communicators(comm: TcpCommunicator, store: object) -> list[int]:
-    twin = comm.sub(list(range(comm.size)))  # same members, its own id
-    pair = comm.sub([1, 0]) if comm.rank in (0, 1) else None
+    twin = comm.sub(list(range(comm.size)), own_transport=False)  # same members, its own id
+    pair = comm.sub([1, 0], own_transport=False) if comm.rank in (0, 1) else None
     got: list[int] = []
     if comm.rank == 1:
         for i in range(4):
@@ -264,7 +264,9 @@ def exit_without_goodbye(comm: TcpCommunicator, store: Any) -> str:
     if comm.rank == 2:
         return EXIT_NOW
     # The others keep working while rank 2's connections hit EOF: not an error for them...
-    pair = comm.sub([0, 1])
+    pair = comm.sub(
+        [0, 1], own_transport=False
+    )  # the world's transport sees the EOF while pair runs
     connected = np.empty(1, np.int64)
     # Until both have seen rank 2 go (about 0.1 s; up to 30 s on a loaded machine): the
     # sum makes both ranks leave the loop at the same call.

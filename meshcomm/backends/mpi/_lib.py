@@ -69,24 +69,23 @@ def thread_level_name(level: int) -> str:
 
 
 def require_thread_level(rank: int) -> int:
-    """Check that MPI runs with at least ``MPI_THREAD_SERIALIZED``; return the level.
+    """Check that MPI runs with ``MPI_THREAD_MULTIPLE``; return the level.
 
-    meshcomm runs synchronous operations on the caller's thread and asynchronous ones on the
-    world's progress thread, never two at once: SERIALIZED is enough. mpi4py asks for
-    MULTIPLE by default, which also lets user code call mpi4py from other threads.
+    Every process group has a progress engine of its own, so operations of two groups may
+    call MPI from two threads at once (on different communicators): that needs MULTIPLE,
+    which mpi4py asks for by default.
 
     Raises:
-        CommError: MPI was initialized with SINGLE or FUNNELED.
+        CommError: MPI was initialized below MULTIPLE.
     """
     mpi = load()
     level = int(mpi.Query_thread())
-    if level < int(mpi.THREAD_SERIALIZED):
+    if level < int(mpi.THREAD_MULTIPLE):
         raise CommError(
             f"rank {rank}: MPI was initialized with thread level "
-            f"{thread_level_name(level)!r}, but the mpi backend runs async operations on a "
-            "progress thread and needs 'serialized' or 'multiple'; leave "
-            "mpi4py.rc.thread_level at its default ('multiple') or set it to 'serialized' "
-            "before mpi4py.MPI is imported"
+            f"{thread_level_name(level)!r}, but the mpi backend runs each group's operations "
+            "independently, from several threads at once, and needs 'multiple'; leave "
+            "mpi4py.rc.thread_level at its default ('multiple')"
         )
     return level
 

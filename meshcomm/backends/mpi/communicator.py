@@ -142,7 +142,7 @@ class MpiCommunicator(Communicator):
             ImportError: mpi4py is not installed.
             RendezvousError: MPI's rank or size differ from the launcher's (the processes
                 were not started as one MPI job).
-            CommError: MPI runs below ``MPI_THREAD_SERIALIZED``, or duplicating failed.
+            CommError: MPI runs below ``MPI_THREAD_MULTIPLE``, or duplicating failed.
             CommTimeout: a rank did not join within ``timeout``.
         """
         mpi = load()

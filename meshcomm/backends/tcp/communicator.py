@@ -3,9 +3,11 @@
 Collectives run the shared algorithms (:mod:`meshcomm.backends.algorithms`) over a
 per-communicator :class:`~meshcomm.backends.tcp.transport.TcpLink`. Point-to-point
 ``send``/``recv`` carry dtype and shape in the frame header (never pickle). ``sub`` makes a
-child communicator that shares the world's connections: its id is computed identically on
-every member from the parent's id, the member list and a per-parent counter, so making a
-group costs no store round trip and no socket.
+child communicator with a transport of its own (its own listener, connections and
+shared-memory rings, opened on first use), so that operations of different groups never
+wait for each other: its id is computed identically on every member from the parent's id,
+the member list and a per-parent counter, and its transport's keys live in the store under
+that id (two store round trips per group).
 
 Example:
     >>> import numpy as np
@@ -36,6 +38,7 @@ from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
+from meshcomm.store.prefix import PrefixStore
 
 __all__ = ["WORLD_ID", "TcpCommunicator", "sub_id"]
 
@@ -60,7 +63,7 @@ def sub_id(parent_id: int, members: Sequence[int], count: int) -> int:
 
 class TcpCommunicator(Communicator):
     """A communicator over the tcp transport (shared memory between same-host ranks, sockets
-    between hosts; one channel per pair of ranks, shared by every communicator).
+    between hosts; one transport per communicator, one channel per pair of its ranks).
 
     Use :meth:`create_world` for the world; :meth:`sub` for groups.
 
@@ -80,8 +83,11 @@ class TcpCommunicator(Communicator):
         timeout: float,
         *,
         owns_transport: bool = False,
+        store: Store | None = None,
     ) -> None:
         super().__init__(rank, global_ranks, timeout)
+        # The job's store, unprefixed: sub-communicators keep their transports' keys in it.
+        self._store = store
         self.comm_id = comm_id
         self.link = TcpLink(transport, comm_id, self.global_ranks, rank)
         self._direct = Direct(self.link)
@@ -121,16 +127,19 @@ class TcpCommunicator(Communicator):
             InvalidArgument: bad rank, size, timeout or secret.
         """
         transport = Transport.start(rank, size, store, float(timeout), secret=secret)
-        return cls(transport, WORLD_ID, rank, range(size), float(timeout), owns_transport=True)
+        return cls(
+            transport, WORLD_ID, rank, range(size), float(timeout), owns_transport=True, store=store
+        )
 
     @property
     def transport(self) -> Transport:
-        """The world's transport (shared by every communicator of the world)."""
+        """This communicator's transport (the world's for the world communicator)."""
         return self._transport
 
     @property
     def failure(self) -> CommError | None:
-        """The error that broke the world's transport (every later call fails fast), or None."""
+        """The error that broke this communicator's transport (every later call fails fast),
+        or None."""
         return self._transport.failure
 
     def _check(self, what: str) -> None:
@@ -327,16 +336,25 @@ class TcpCommunicator(Communicator):
             self.link.exchange(sends, recvs)
 
     # -- groups and lifetime -------------------------------------------------------------
-    def sub(self, ranks: Sequence[int]) -> TcpCommunicator:
-        """Return a communicator over ``ranks`` that shares this world's connections.
+    def sub(self, ranks: Sequence[int], *, own_transport: bool = True) -> TcpCommunicator:
+        """Return a communicator over ``ranks`` with a transport of its own.
 
         Members must call ``sub`` with the same list, in the same order relative to their
-        other ``sub`` calls with that list; no message is exchanged.
+        other ``sub`` calls with that list; no message is exchanged between ranks (each
+        member proposes the transport's token and publishes its address in the store).
+
+        Args:
+            ranks: the members, as ranks of this communicator.
+            own_transport: False shares this communicator's transport instead: no new
+                socket or ring, but an operation of one then waits for the other's.
 
         Raises:
             InvalidArgument: duplicate or out-of-range ranks, or this rank is not a member.
         """
         self._check("sub")
+        # A group made after a failure would find a dead peer only by waiting for it; it
+        # fails fast with the parent's error instead, as the parent does.
+        self._transport.raise_failure()
         members = [self._peer(r, "sub") for r in ranks]
         me = self.global_ranks[self.rank]
         if len(set(members)) != len(members):
@@ -349,12 +367,22 @@ class TcpCommunicator(Communicator):
         count = self._subs.get(key, 0)
         self._subs[key] = count + 1
         global_members = [self.global_ranks[r] for r in members]
+        comm_id = sub_id(self.comm_id, global_members, count)
+        if self._store is None or not own_transport:
+            transport, owns = self._transport, False
+        else:
+            # World ranks inside: the group's transport talks to its members only, and its
+            # errors name ranks as the world knows them.
+            keys = PrefixStore(f"meshcomm/group/{comm_id:016x}/", self._store)
+            transport, owns = self._transport.sibling(keys), True
         return TcpCommunicator(
-            self._transport,
-            sub_id(self.comm_id, global_members, count),
+            transport,
+            comm_id,
             members.index(self.rank),
             global_members,
             self.timeout,
+            owns_transport=owns,
+            store=self._store,
         )
 
     def close(self) -> None:

@@ -298,6 +298,18 @@ class Transport(BoardEngine):
         """The error that broke this transport, or None while it works."""
         return self._failure
 
+    def sibling(self, store: Store) -> Transport:
+        """Start another transport of this process for a sub-group: the same rank, world
+        size, timeout and secret, its keys in ``store``."""
+        return Transport.start(
+            self.rank, self.size, store, self.timeout, secret=self._secret or b""
+        )
+
+    def raise_failure(self) -> None:
+        """Raise (a replay of) the error that broke this transport, if one did."""
+        if self._failure is not None:
+            raise _replay(self._failure)
+
     @property
     def connected_peers(self) -> list[int]:
         """Global ranks this process has an open connection to (for diagnostics)."""
