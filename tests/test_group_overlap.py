@@ -212,3 +212,48 @@ def group_links_authenticated(world: ProcessGroup) -> list[bool]:
 def test_group_transports_use_the_job_secret() -> None:
     secret = {"MESHCOMM_SECRET": "overlap-" + "7" * 32}
     assert run_ranks(group_links_authenticated, 4, env=secret, timeout=60) == [[True] * 3] * 4
+
+
+def rings_within_budget(world: ProcessGroup) -> dict[str, Any]:
+    """The world's rings fit the budget, a group's do not (socket), and come back on close."""
+    from meshcomm.backends.tcp import shm_budget
+
+    x = np.arange(4.0)
+    world.all_reduce(x)  # the world's rings: one per peer
+    first = world.new_group(range(world.size))
+    assert first is not None
+    got = first.all_reduce(x)
+    report = {
+        "world": world._comm.transport.channels,  # type: ignore[attr-defined]
+        "group": first._comm.transport.channels,  # type: ignore[attr-defined]
+        "why": sorted(first._comm.transport.shm_fallbacks.values()),  # type: ignore[attr-defined]
+        "right": got.tolist() == (x * world.size).tolist(),
+    }
+    first.close()
+    world.close()  # every ring of this process is gone: the budget is whole again
+    report["left"] = shm_budget.rings.in_use
+    return report
+
+
+def test_rings_stay_within_the_process_budget() -> None:
+    ring = 64 << 10
+    env = {"MESHCOMM_SHM_BYTES": str(ring), "MESHCOMM_SHM_BUDGET": str(2 * (ring + 4096))}
+    for r, report in enumerate(run_ranks(rings_within_budget, 3, env=env, timeout=60)):
+        peers = {p for p in range(3) if p != r}
+        # Every peer this rank talked to: the world's over rings, the group's over sockets.
+        assert report["world"] and set(report["world"]) <= peers, report
+        assert set(report["world"].values()) == {"shm"}, report
+        assert report["group"] and set(report["group"].values()) == {"tcp"}, report
+        assert report["why"] and all("budget" in why for why in report["why"]), report
+        assert report["right"] and report["left"] == 0, report
+
+
+def test_a_bad_ring_budget_is_refused_before_any_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshcomm.errors import InvalidArgument
+    from meshcomm.store import HashStore
+
+    monkeypatch.setenv("MESHCOMM_SHM_BUDGET", "lots")
+    store = HashStore(timeout=5)
+    with pytest.raises(InvalidArgument, match="MESHCOMM_SHM_BUDGET must be a non-negative"):
+        TcpCommunicator.create_world(0, 1, store, 5.0)
+    assert store.num_keys() == 0

@@ -118,12 +118,13 @@ class ShmMessage:
 class ShmSetup:
     """A shared-memory handshake in progress with one peer."""
 
-    __slots__ = ("ch", "got_offer", "hs")
+    __slots__ = ("ch", "got_offer", "hs", "why_not")
 
     def __init__(self, ch: Channel) -> None:
         self.ch = ch
         self.hs: ShmHandshake | None = None
         self.got_offer = False
+        self.why_not = "this side"  # why this side made no offer, when it made none
 
 
 class Connections(Matching):
@@ -447,7 +448,8 @@ class Connections(Matching):
         try:
             setup.hs = ShmHandshake(self._doorbell(), ch.peer)
             tag, payload = wire.SHM_OFFER, setup.hs.offer()
-        except (CommError, OSError) as exc:  # e.g. /dev/shm is full
+        except (CommError, OSError) as exc:  # e.g. /dev/shm is full, the ring budget spent
+            setup.why_not = str(exc)
             tag, payload = wire.SHM_NO_OFFER, str(exc).encode()[: wire.MAX_SHM_MESSAGE]
         self._setup[ch.peer] = setup
         self._send_control(ch, tag, payload)
@@ -469,7 +471,7 @@ class Connections(Matching):
             setup.got_offer = True
             hs = setup.hs
             if msg.tag == wire.SHM_NO_OFFER or hs is None:
-                why = payload.decode(errors="replace") if hs is not None else "this side"
+                why = payload.decode(errors="replace") if hs is not None else setup.why_not
                 self._end_shm(ch, None, f"no offer ({why})")
                 return
             try:

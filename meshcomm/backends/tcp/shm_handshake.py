@@ -8,11 +8,12 @@ ranks' socket; see :mod:`~meshcomm.backends.tcp.shm` for the lifecycle of the na
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import secrets
 from typing import Any
 
-from meshcomm.backends.tcp import cma
+from meshcomm.backends.tcp import cma, shm_budget
 from meshcomm.backends.tcp.doorbell import _B_MAGIC, _B_NONCE, _B_RANK, _MAGIC_BELL, Doorbell, _Bell
 from meshcomm.backends.tcp.shm_channel import ShmChannel, ShmPair
 from meshcomm.backends.tcp.shm_platform import (
@@ -147,7 +148,22 @@ class ShmHandshake:
         self._probe = ctypes.c_uint64(self._nonce)
         self._cma = False
         self._name = _seg_name(doorbell.job, "ring", self.rank, peer, doorbell.pid, self._nonce)
-        self._rx: _Mapping | None = _create_segment(self._name, _HEADER + cap, self._plat)
+        size = _HEADER + cap
+        if not shm_budget.rings.reserve(size):
+            budget = shm_budget.rings
+            raise CommError(
+                f"rank {self.rank}: a {size}-byte ring for rank {peer} would pass this "
+                f"process's shared-memory budget ({budget.in_use} of {budget.limit} bytes in "
+                f"use by rings): this pair uses its socket; raise {shm_budget.BUDGET_ENV} or "
+                "close groups no longer needed"
+            )
+        try:
+            self._rx: _Mapping | None = _create_segment(self._name, size, self._plat)
+        except BaseException:
+            shm_budget.rings.release(size)
+            raise
+        # The ring's bytes go back to the budget when its mapping closes, whoever holds it.
+        self._rx.on_close = functools.partial(shm_budget.rings.release, size)
         for index, value in (
             (_W_MAGIC, _MAGIC_RING),
             (_W_VERSION, _VERSION),

@@ -359,6 +359,8 @@ class _Mapping:
     def __init__(self, fd: int, size: int, plat: _Platform) -> None:
         self.mm = mmap.mmap(fd, size)
         self.size = size
+        #: Called once when the mapping closes (a ring gives its bytes back to the budget).
+        self.on_close: Callable[[], None] | None = None
         # A ctypes object over the buffer pins it and yields the address for futex/libatomic.
         self._anchor: ctypes.c_uint64 | None = ctypes.c_uint64.from_buffer(self.mm)
         self.addr = ctypes.addressof(self._anchor)
@@ -402,6 +404,8 @@ class _Mapping:
         if self.closed:
             return
         self.closed = True
+        if self.on_close is not None:
+            self.on_close()
         self._q.release()
         self._u32.release()
         self._view.release()

@@ -78,6 +78,7 @@ from meshcomm.backends.tcp.matching import (
     as_bytes,
 )
 from meshcomm.backends.tcp.shm import host_key, shm_enabled, sweep
+from meshcomm.backends.tcp.shm_budget import budget_bytes
 from meshcomm.backends.tcp.shm_engine import (
     CMA_MIN,
     ShmPeer,
@@ -268,6 +269,7 @@ class Transport(BoardEngine):
             )
         key = job_secret(secret)
         shm_enabled()  # validates MESHCOMM_TRANSPORT and MESHCOMM_SHM_SPIN_US before any I/O
+        budget_bytes()  # and MESHCOMM_SHM_BUDGET
         spin_policy(_local_size(size))
         # Every rank proposes a token; the first proposal in the store wins for all.
         token = store.compare_set(TOKEN_KEY, b"", secrets.token_bytes(wire.TOKEN_SIZE))
