@@ -16,6 +16,7 @@ import errno
 import heapq
 import itertools
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -39,6 +40,9 @@ _RECV_BYTES = 256 * 1024
 _HIGH_WATER = 4 * 1024 * 1024
 # Parked (blocking) requests one connection may hold; a well-behaved client has one.
 _MAX_PARKED = 256
+# Longest single sleep in select(): epoll refuses timeouts past ~24.8 days (2**31 ms), and a
+# waiter with no deadline must not become one; a periodic wake-up costs nothing.
+_MAX_POLL = 3600.0
 # Pause accepting for this long when the process runs out of file descriptors.
 _ACCEPT_PAUSE = 0.1
 _ACCEPT_BATCH = 512
@@ -293,7 +297,7 @@ class StoreServer:
         when = self._deadlines[0][0] if self._deadlines else None
         if self._accept_resume is not None and (when is None or self._accept_resume < when):
             when = self._accept_resume
-        return None if when is None else max(0.0, when - time.monotonic())
+        return None if when is None else min(max(0.0, when - time.monotonic()), _MAX_POLL)
 
     def _drain_wake(self) -> None:
         try:
@@ -478,10 +482,15 @@ class StoreServer:
             )
             return
         missing = self._state.missing(keys)
-        waiter = _Waiter(conn, rid, op, keys, missing[0], time.monotonic() + timeout)
+        # The decoder clamped timeout into [0, FOREVER]; FOREVER means no deadline at all,
+        # so no huge float ever reaches the heap or select().
+        forever = timeout >= wire.FOREVER
+        deadline = math.inf if forever else time.monotonic() + timeout
+        waiter = _Waiter(conn, rid, op, keys, missing[0], deadline)
         self._waiters.setdefault(waiter.key, []).append(waiter)
         conn.parked.add(waiter)
-        heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+        if not forever:
+            heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
 
     def _notify(self, key: bytes) -> None:
         """``key`` now exists: answer or re-file the requests parked under it."""
@@ -498,7 +507,8 @@ class StoreServer:
                 self._waiters.setdefault(waiter.key, []).append(waiter)
                 continue
             waiter.done = True
-            self._stale_deadlines += 1
+            if waiter.deadline != math.inf:  # only waiters with a deadline sit in the heap
+                self._stale_deadlines += 1
             conn = waiter.conn
             conn.parked.discard(waiter)
             conn.out += self._answer(waiter.rid, waiter.op, waiter.keys)
@@ -508,7 +518,7 @@ class StoreServer:
     def _unpark(self, waiter: _Waiter, stale: bool) -> None:
         """Withdraw a waiter (timed out, or its connection dropped)."""
         waiter.done = True
-        if stale:
+        if stale and waiter.deadline != math.inf:
             self._stale_deadlines += 1
         waiter.conn.parked.discard(waiter)
         filed = self._waiters.get(waiter.key)

@@ -19,7 +19,7 @@ bodies are parsed. Any violation raises :class:`~meshcomm.errors.ProtocolError`.
 Request bodies (``key`` alone = the rest of the body; ``str`` = u32 length + bytes)::
 
     SET, APPEND     str key | value
-    GET             f64 timeout | key
+    GET             f64 timeout | key   (seconds; NaN/negative -> 0, >= FOREVER -> no deadline)
     ADD             i64 amount | key
     COMPARE_SET     str key | str expected | desired
     WAIT, MULTI_GET f64 timeout | u32 n | n * str key
@@ -57,6 +57,7 @@ from meshcomm.store.base import MAX_KEY_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
     "FLAG_REGISTER",
+    "FOREVER",
     "HEADER_SIZE",
     "HELLO_BAD_VERSION",
     "HELLO_OK",
@@ -119,6 +120,9 @@ HELLO_BAD_VERSION = 1
 MAX_BODY_BYTES = MAX_VALUE_BYTES + 64 * 1024
 #: Longest error message a server sends, in bytes.
 MAX_ERROR_BYTES = 4096
+#: A blocking request's timeout at or above this many seconds (about 31 years; ``inf``
+#: included) parks it with no deadline. Parsed timeouts are clamped into ``[0, FOREVER]``.
+FOREVER = 1e9
 
 OP_SET = 1
 OP_GET = 2
@@ -358,9 +362,11 @@ def _timeout(body: bytes) -> float:
     if len(body) < 8:
         raise ProtocolError(f"truncated timeout in a {len(body)}-byte body")
     (seconds,) = _F64.unpack_from(body, 0)
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ProtocolError(f"timeout must be finite and >= 0, got {seconds!r}")
-    return float(seconds)
+    # Any float is accepted and clamped (a client's "forever" is not a protocol error):
+    # NaN and negatives mean "do not wait", anything from FOREVER up means no deadline.
+    if math.isnan(seconds) or seconds < 0:
+        return 0.0
+    return min(float(seconds), FOREVER)
 
 
 def _parse_key_value(body: bytes) -> tuple[Any, ...]:
