@@ -57,6 +57,8 @@ class TCPStore(Store):
             master's wait for workers; default :func:`~meshcomm._timeout.default_timeout`.
         wait_for_workers: on the master with ``world_size`` set, block in the constructor
             until ``world_size`` clients have connected.
+        memory_limit: on the master, the server's memory budget (see :class:`StoreServer`);
+            default ``MESHCOMM_STORE_MEMORY``, else 256 MiB. Ignored by clients.
 
     Raises:
         InvalidArgument: bad host, port, or world_size; port 0 on a non-master.
@@ -79,6 +81,8 @@ class TCPStore(Store):
         is_master: bool = False,
         timeout: Timeout | None = None,
         wait_for_workers: bool = True,
+        *,
+        memory_limit: int | str | None = None,
     ) -> None:
         super().__init__(timeout)
         check_host_port(host, port)
@@ -104,7 +108,7 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         started = time.monotonic()
         if is_master:
-            self._server = StoreServer(host, port)
+            self._server = StoreServer(host, port, memory_limit=memory_limit)
             self._server.start()
             port = self._server.port
         self._port = port

@@ -58,6 +58,7 @@ from meshcomm.store.base import MAX_KEY_BYTES, MAX_VALUE_BYTES
 __all__ = [
     "FLAG_REGISTER",
     "FOREVER",
+    "ADMIT_THRESHOLD",
     "HEADER_SIZE",
     "HELLO_BAD_VERSION",
     "HELLO_OK",
@@ -85,6 +86,7 @@ __all__ = [
     "ClientConnection",
     "Hello",
     "HelloReply",
+    "Refused",
     "Request",
     "Response",
     "ServerConnection",
@@ -99,6 +101,7 @@ __all__ = [
     "hello_reply",
     "ok",
     "ok_bool",
+    "ok_header",
     "ok_int",
     "ok_value",
     "ok_values",
@@ -120,6 +123,8 @@ HELLO_BAD_VERSION = 1
 MAX_BODY_BYTES = MAX_VALUE_BYTES + 64 * 1024
 #: Longest error message a server sends, in bytes.
 MAX_ERROR_BYTES = 4096
+#: Frames with a body up to this size are admitted without asking the ``admit`` callback.
+ADMIT_THRESHOLD = 64 * 1024
 #: A blocking request's timeout at or above this many seconds (about 31 years; ``inf``
 #: included) parks it with no deadline. Parsed timeouts are clamped into ``[0, FOREVER]``.
 FOREVER = 1e9
@@ -195,6 +200,14 @@ class HelloReply(NamedTuple):
 
     version: int
     status: int
+
+
+class Refused(NamedTuple):
+    """A request frame the server's ``admit`` callback refused; its body is skipped unread."""
+
+    rid: int
+    op: int
+    reason: str
 
 
 class Request(NamedTuple):
@@ -277,6 +290,11 @@ def hello_reply(ok: bool) -> bytes:
 def ok(rid: int) -> bytes:
     """An empty OK response."""
     return _HEADER.pack(0, rid, STATUS_OK)
+
+
+def ok_header(rid: int, length: int) -> bytes:
+    """The header of an OK response whose ``length``-byte body the caller sends after it."""
+    return _HEADER.pack(length, rid, STATUS_OK)
 
 
 def ok_value(rid: int, value: bytes) -> bytes:
@@ -482,6 +500,12 @@ class ServerConnection:
     Feed received bytes with :meth:`receive_data`, then call :meth:`next_event` until it
     returns None. Memory stays bounded: a frame's length is judged before its body is kept.
 
+    Args:
+        admit: called once per request frame whose body exceeds :data:`ADMIT_THRESHOLD`, as
+            ``admit(rid, op, body_length)`` once its header is in and before its body is kept;
+            a returned reason refuses the frame: its body is skipped as it arrives and
+            :meth:`next_event` returns a :class:`Refused` (the server answers ERROR).
+
     Example:
         >>> conn = ServerConnection()
         >>> conn.receive_data(b"GET / HTTP/1.1\\r\\n")
@@ -491,11 +515,14 @@ class ServerConnection:
         meshcomm.errors.ProtocolError: client sent b'GET ', not the meshcomm store magic b'MCKV'
     """
 
-    __slots__ = ("_buf", "_greeted")
+    __slots__ = ("_admit", "_admitted", "_buf", "_greeted", "_skip")
 
-    def __init__(self) -> None:
+    def __init__(self, admit: Callable[[int, int, int], str | None] | None = None) -> None:
         self._buf = bytearray()
         self._greeted = False
+        self._admit = admit
+        self._admitted = False
+        self._skip = 0
 
     @property
     def buffered(self) -> int:
@@ -504,9 +531,13 @@ class ServerConnection:
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Add bytes received from the client (copied: the caller may reuse ``data``)."""
+        if self._skip:
+            dropped = min(self._skip, len(data))
+            self._skip -= dropped
+            data = memoryview(data)[dropped:]
         self._buf += data
 
-    def next_event(self) -> Hello | Request | None:
+    def next_event(self) -> Hello | Request | Refused | None:
         """Return the next complete event, or None if more bytes are needed.
 
         Raises:
@@ -533,9 +564,19 @@ class ServerConnection:
                 f"{limit} bytes"
             )
         end = HEADER_SIZE + length
+        if length > ADMIT_THRESHOLD and not self._admitted and self._admit is not None:
+            reason = self._admit(rid, op, length)
+            if reason is not None:
+                kept = min(len(buf), end)
+                del buf[:kept]
+                self._skip = end - kept
+                return Refused(rid, op, reason)
+            self._admitted = True
         if len(buf) < end:
             return None
-        body = bytes(buf[HEADER_SIZE:end])
+        self._admitted = False
+        with memoryview(buf) as view:  # one copy of a large body, not two
+            body = bytes(view[HEADER_SIZE:end])
         del buf[:end]
         return Request(rid, op, _PARSERS[op](body))
 
