@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import time
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from meshcomm._secret import SECRET_ENV
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, RendezvousError, StoreError, StoreTimeout
 from meshcomm.launch import (
@@ -61,7 +63,10 @@ __all__ = [
     "storeless_rendezvous",
 ]
 
+_log = logging.getLogger("meshcomm.rendezvous")
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Said once per process: a job that re-initialises in a loop must not repeat it.
+_warned_unauthenticated = False
 # After an abort, the rank that hosts the store server keeps it up this long (at most) so the
 # other ranks can read the reason instead of seeing a dropped connection.
 _ABORT_LINGER = 2.0
@@ -307,6 +312,7 @@ def rendezvous(
     else:
         raw, address, hosts = _open_store(method, info, me.rank, me.world_size, seconds, deadline)
         owns = True
+        _warn_if_unauthenticated(raw, address)
     # A launcher that restarts workers keeps its store: the restart count keeps rounds apart.
     tag = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{generation}"
     namespace = f"meshcomm/rdzv/{tag}"
@@ -373,6 +379,23 @@ def storeless_rendezvous(
         owns_store=False,
         hosts_server=False,
         namespace="",
+    )
+
+
+def _warn_if_unauthenticated(store: Store, address: str) -> None:
+    """Say once per process that the job's network store admits anyone who can reach it."""
+    global _warned_unauthenticated
+    # Stores that never cross the network (HashStore, FileStore) have no such attribute.
+    if _warned_unauthenticated or getattr(store, "authenticated", True):
+        return
+    _warned_unauthenticated = True
+    _log.warning(
+        "meshcomm: this job is unauthenticated: its store at %s has no secret (%s is not "
+        "set), so any process that can reach that port can read and change the job's keys "
+        "(its ranks' addresses, the tcp backend's token, aborts). meshrun, meshcomm.spawn and "
+        "jupyter.start_cluster set a secret per job; see docs/security.md",
+        address,
+        SECRET_ENV,
     )
 
 

@@ -11,6 +11,7 @@ decoder refuses oversized frames from their header, a connection whose replies p
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -27,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from meshcomm._secret import job_secret, matches, new_nonce, proof
 from meshcomm.errors import InvalidArgument, ProtocolError, StoreError
 from meshcomm.store import wire
 from meshcomm.store.memory import KVState
@@ -34,6 +36,7 @@ from meshcomm.store.memory import KVState
 __all__ = [
     "DEFAULT_BACKLOG",
     "DEFAULT_MEMORY_LIMIT",
+    "HANDSHAKE_TIMEOUT",
     "MEMORY_ENV",
     "StoreServer",
     "format_address",
@@ -47,6 +50,9 @@ DEFAULT_BACKLOG = 2048
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 #: The environment variable that sets the budget (bytes, or a number with K, M or G: MiB...).
 MEMORY_ENV = "MESHCOMM_STORE_MEMORY"
+#: Seconds a new connection has to finish the handshake (authentication included) before it
+#: is dropped: a half-open or slowloris connection costs a socket and < 100 bytes, for so long.
+HANDSHAKE_TIMEOUT = 10.0
 # Smallest budget accepted: below it even bootstrap traffic would be refused.
 _MIN_MEMORY_LIMIT = 1024 * 1024
 # What a key/value pair costs beyond its bytes (two bytes objects and a dict slot), and a
@@ -137,12 +143,16 @@ class _Conn:
 
     __slots__ = (
         "events",
+        "flags",
         "held",
+        "nonces",
         "out",
         "parked",
         "peer",
         "proto",
+        "ready",
         "reserved",
+        "since",
         "sock",
         "stalled",
     )
@@ -155,6 +165,12 @@ class _Conn:
         # of the large frame admitted and still arriving (counted whole from its header on).
         self.held = 0
         self.reserved = 0
+        # The handshake: done (``ready``), when it began, the hello's flags, and the
+        # (client, server) nonces while a proof is awaited.
+        self.ready = False
+        self.since = time.monotonic()
+        self.flags = 0
+        self.nonces = (b"", b"")
         self.out = bytearray()
         self.parked: set[_Waiter] = set()
         self.events = selectors.EVENT_READ
@@ -195,7 +211,13 @@ class StoreServer:
         memory_limit: the total bytes the store may hold (keys and values, parked requests,
             unsent replies, frames being received); a request that would go over is answered
             with an ERROR naming the budget and the sizes, and nothing else is disturbed.
-            Default: ``MESHCOMM_STORE_MEMORY``, else 256 MiB. See :func:`memory_limit`.
+            Default: ``MESHCOMM_STORE_MEMORY``, else 256 MiB. See :func:`parse_memory_limit`.
+        secret: the job's secret (str or bytes): every client must prove it knows it
+            (HMAC-SHA256 challenge-response both ways, see :mod:`meshcomm.store.wire`) before
+            any request is read. None (the default) reads ``MESHCOMM_SECRET``; ``""`` (or no
+            secret anywhere) serves without authentication, as torch's TCPStore does.
+        handshake_timeout: seconds a new connection has to finish its handshake before it is
+            dropped (:data:`HANDSHAKE_TIMEOUT`).
 
     Raises:
         InvalidArgument: empty host, a port outside [0, 65535], or a bad memory limit.
@@ -218,8 +240,16 @@ class StoreServer:
         backlog: int = DEFAULT_BACKLOG,
         *,
         memory_limit: int | str | None = None,
+        secret: str | bytes | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ):
         check_host_port(host, port)
+        if not (isinstance(handshake_timeout, (int, float)) and 0 < handshake_timeout <= 3600):
+            raise InvalidArgument(
+                f"handshake_timeout must be seconds in (0, 3600], got {handshake_timeout!r}"
+            )
+        self._handshake_timeout = float(handshake_timeout)
+        self._secret = job_secret(secret)
         self._memory_limit = parse_memory_limit(memory_limit)
         self._stored = 0  # keys and values, with _ENTRY_OVERHEAD each
         self._io = 0  # the sum of every connection's ``held``
@@ -243,6 +273,7 @@ class StoreServer:
         self._stale_deadlines = 0
         self._seq = itertools.count()
         self._accept_resume: float | None = None
+        self._handshakes: collections.deque[_Conn] = collections.deque()
         self._registered = 0
         self._clients_cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -277,6 +308,11 @@ class StoreServer:
     def buffered_bytes(self) -> int:
         """Bytes held for all connections: unparsed input plus unsent replies (approximate)."""
         return sum(len(c.out) + c.proto.buffered for c in list(self._conns))
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether clients must prove they know the job's secret."""
+        return self._secret is not None
 
     @property
     def memory_limit(self) -> int:
@@ -385,7 +421,7 @@ class StoreServer:
                     self._accept()
                 else:
                     self._drain_wake()
-            if self._deadlines or self._accept_resume is not None:
+            if self._deadlines or self._handshakes or self._accept_resume is not None:
                 self._on_timers(time.monotonic())
             while self._ready:
                 conn = self._ready.pop()
@@ -397,6 +433,9 @@ class StoreServer:
         when = self._deadlines[0][0] if self._deadlines else None
         if self._accept_resume is not None and (when is None or self._accept_resume < when):
             when = self._accept_resume
+        if self._handshakes:
+            due = self._handshakes[0].since + self._handshake_timeout
+            when = due if when is None else min(when, due)
         return None if when is None else min(max(0.0, when - time.monotonic()), _MAX_POLL)
 
     def _drain_wake(self) -> None:
@@ -425,12 +464,21 @@ class StoreServer:
             conn = _Conn(sock, peer)
             conn.proto = wire.ServerConnection(functools.partial(self._admit, conn))
             self._conns.add(conn)
+            self._handshakes.append(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _on_timers(self, now: float) -> None:
         if self._accept_resume is not None and now >= self._accept_resume:
             self._accept_resume = None
             self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        handshakes = self._handshakes
+        # Accepted in order, all with the same timeout: the oldest is always first.
+        while handshakes and (handshakes[0].ready or handshakes[0] not in self._conns):
+            handshakes.popleft()
+        while handshakes and handshakes[0].since + self._handshake_timeout <= now:
+            conn = handshakes.popleft()
+            if not conn.ready:
+                self._drop(conn, f"no handshake within {self._handshake_timeout:g} s")
         deadlines = self._deadlines
         while deadlines and deadlines[0][0] <= now:
             waiter = heapq.heappop(deadlines)[2]
@@ -477,6 +525,10 @@ class StoreServer:
                     self._handle(conn, event.rid, event.op, event.args)
                 elif isinstance(event, wire.Refused):
                     conn.out += wire.error(event.rid, event.reason)
+                elif isinstance(event, wire.ClientProof):
+                    self._on_proof(conn, event.proof)
+                    if conn.sock.fileno() < 0:
+                        return
                 else:
                     self._on_hello(conn, event)
                     if conn.sock.fileno() < 0:
@@ -493,15 +545,56 @@ class StoreServer:
                 hello.version,
                 wire.PROTOCOL_VERSION,
             )
-            with contextlib.suppress(OSError):  # it is being dropped either way
-                conn.sock.send(wire.hello_reply(False))
-            self._drop(conn, None)
+            self._refuse(conn, wire.hello_reply(False))
             return
-        conn.out += wire.hello_reply(True)
-        if hello.flags & wire.FLAG_REGISTER:
+        conn.flags = hello.flags
+        secret = self._secret
+        if secret is None:
+            # A client with a secret refuses this answer itself (it names the reason).
+            conn.out += wire.hello_reply(True)
+            self._admitted(conn)
+            return
+        if not hello.flags & wire.FLAG_AUTH:
+            _log.warning(
+                "store %s: refusing %s: it has no secret and this store requires one",
+                self.address,
+                conn.peer,
+            )
+            self._refuse(conn, wire.hello_reply(False, wire.HELLO_AUTH_REQUIRED))
+            return
+        mine = new_nonce()
+        conn.nonces = (hello.nonce, mine)
+        conn.out += wire.challenge(mine, proof(secret, b"server", b"store", hello.nonce, mine))
+        conn.proto.expect_proof()
+
+    def _on_proof(self, conn: _Conn, answer: bytes) -> None:
+        assert self._secret is not None  # only a server with a secret asks for a proof
+        theirs, mine = conn.nonces
+        conn.nonces = (b"", b"")  # one proof per challenge
+        if not matches(proof(self._secret, b"client", b"store", theirs, mine), answer):
+            _log.warning(
+                "store %s: refusing %s: wrong proof (its secret is not this job's)",
+                self.address,
+                conn.peer,
+            )
+            self._refuse(conn, wire.auth_result(False))
+            return
+        conn.out += wire.auth_result(True)
+        self._admitted(conn)
+
+    def _admitted(self, conn: _Conn) -> None:
+        """The handshake is done: count a registering client."""
+        conn.ready = True
+        if conn.flags & wire.FLAG_REGISTER:
             with self._clients_cond:
                 self._registered += 1
                 self._clients_cond.notify_all()
+
+    def _refuse(self, conn: _Conn, answer: bytes) -> None:
+        """Send a last handshake answer (best effort) and drop the connection."""
+        with contextlib.suppress(OSError):  # it is being dropped either way
+            conn.sock.send(answer)
+        self._drop(conn, None)
 
     # --- requests ----------------------------------------------------------------------------
 

@@ -1,13 +1,25 @@
 """The TCPStore wire protocol, sans-IO: bytes in, events out. No socket is touched here.
 
-Handshake (8 bytes each way)::
+Handshake (version 2)::
 
-    client -> server   magic b"MCKV" | u16 protocol version | u16 flags (bit 0: register)
-    server -> client   magic b"MCKV" | u16 protocol version | u16 status (0 ok, 1 bad version)
+    client -> server   magic b"MCKV" | u16 protocol version | u16 flags   (bit 0: register,
+                       bit 1: authenticate) | [32-byte client nonce, with bit 1]
+    server -> client   magic b"MCKV" | u16 protocol version | u16 status
+                       | [32-byte server nonce | 32-byte server proof, with status 2]
+    and with status 2:
+    client -> server   32-byte client proof
+    server -> client   magic b"MCKV" | u16 protocol version | u16 status (0 ok, 4 failed)
 
-A server that sees a wrong magic closes the connection without a word; one that sees another
-version answers with its own version and status 1, then closes. After the handshake every
-message is a frame, big-endian::
+Statuses: 0 ok (no authentication), 1 bad version, 2 challenge (the server has a secret),
+3 authentication required (the server has a secret, the client offered none), 4 the client's
+proof was wrong. Proofs are ``meshcomm._secret.proof(secret, role, b"store", client nonce,
+server nonce)`` with role ``b"server"`` / ``b"client"``: each side proves it knows the job's
+secret over both fresh nonces, the secret never crosses the wire, and a recorded handshake is
+worthless on a new connection (the other side's nonce differs). A client with a secret
+refuses a status-0 server; a server with a secret answers a client without one with status
+3. A server that sees a wrong magic closes the connection without a word; one that sees
+another version answers with its own version and status 1, then closes. After the handshake
+every message is a frame, big-endian::
 
     u32 body length | u32 request id | u8 opcode (request) or status (response) | body
 
@@ -36,13 +48,13 @@ Example:
     >>> client, server = ClientConnection(), ServerConnection()
     >>> server.receive_data(client.hello(FLAG_REGISTER))
     >>> server.next_event()
-    Hello(version=1, flags=1)
+    Hello(version=2, flags=1, nonce=b'')
     >>> server.receive_data(request(OP_GET, 7, body_get(2.0, b"k")))
     >>> server.next_event()
     Request(rid=7, op=2, args=(2.0, b'k'))
     >>> client.receive_data(hello_reply(True) + ok_value(7, b"v"))
     >>> client.next_event(), client.next_event()
-    (HelloReply(version=1, status=0), Response(rid=7, status=0, body=b'v'))
+    (HelloReply(version=2, status=0, nonce=b'', proof=b''), Response(rid=7, status=0, body=b'v'))
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from meshcomm._secret import NONCE_BYTES, PROOF_BYTES
 from meshcomm.errors import ProtocolError
 from meshcomm.store.base import MAX_KEY_BYTES, MAX_VALUE_BYTES
 
@@ -60,7 +73,11 @@ __all__ = [
     "FOREVER",
     "ADMIT_THRESHOLD",
     "HEADER_SIZE",
+    "FLAG_AUTH",
+    "HELLO_AUTH_FAILED",
+    "HELLO_AUTH_REQUIRED",
     "HELLO_BAD_VERSION",
+    "HELLO_CHALLENGE",
     "HELLO_OK",
     "HELLO_SIZE",
     "MAGIC",
@@ -83,7 +100,9 @@ __all__ = [
     "STATUS_ERROR",
     "STATUS_OK",
     "STATUS_TIMEOUT",
+    "AuthResult",
     "ClientConnection",
+    "ClientProof",
     "Hello",
     "HelloReply",
     "Refused",
@@ -98,6 +117,8 @@ __all__ = [
     "body_multi_set",
     "body_wait",
     "error",
+    "auth_result",
+    "challenge",
     "hello_reply",
     "ok",
     "ok_bool",
@@ -114,11 +135,16 @@ __all__ = [
 ]
 
 MAGIC = b"MCKV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Client hello flag: count this client towards the master's ``world_size``.
 FLAG_REGISTER = 0x1
+#: Client hello flag: the client has a secret; its nonce follows the hello.
+FLAG_AUTH = 0x2
 HELLO_OK = 0
 HELLO_BAD_VERSION = 1
+HELLO_CHALLENGE = 2
+HELLO_AUTH_REQUIRED = 3
+HELLO_AUTH_FAILED = 4
 #: Largest frame body either side accepts: one maximal value plus room for keys and counts.
 MAX_BODY_BYTES = MAX_VALUE_BYTES + 64 * 1024
 #: Longest error message a server sends, in bytes.
@@ -162,6 +188,7 @@ STATUS_TIMEOUT = 2
 _STATUSES = frozenset((STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT))
 
 _HELLO = struct.Struct("!4sHH")
+_HELLO_STAGE, _PROOF_STAGE, _FRAMES_STAGE = 0, 1, 2
 HELLO_SIZE = _HELLO.size
 _HEADER = struct.Struct("!IIB")
 HEADER_SIZE = _HEADER.size
@@ -189,14 +216,30 @@ _REQUEST_LIMITS = {
 
 
 class Hello(NamedTuple):
-    """The client's handshake, as the server sees it."""
+    """The client's handshake, as the server sees it (``nonce`` set with ``FLAG_AUTH``)."""
 
     version: int
     flags: int
+    nonce: bytes = b""
 
 
 class HelloReply(NamedTuple):
-    """The server's handshake answer, as the client sees it."""
+    """The server's handshake answer, as the client sees it (a challenge carries the rest)."""
+
+    version: int
+    status: int
+    nonce: bytes = b""
+    proof: bytes = b""
+
+
+class ClientProof(NamedTuple):
+    """The client's answer to a challenge, as the server sees it."""
+
+    proof: bytes
+
+
+class AuthResult(NamedTuple):
+    """The server's verdict on the client's proof: ``HELLO_OK`` or ``HELLO_AUTH_FAILED``."""
 
     version: int
     status: int
@@ -282,9 +325,23 @@ def body_multi_set(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def hello_reply(ok: bool) -> bytes:
-    """The server's 8-byte handshake answer."""
-    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_OK if ok else HELLO_BAD_VERSION)
+def hello_reply(ok: bool, status: int | None = None) -> bytes:
+    """The server's 8-byte handshake answer: OK, bad version, or another ``status``."""
+    if status is None:
+        status = HELLO_OK if ok else HELLO_BAD_VERSION
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, status)
+
+
+def challenge(nonce: bytes, proof: bytes) -> bytes:
+    """The answer of a server with a secret: status 2, its nonce and its proof."""
+    if len(nonce) != NONCE_BYTES or len(proof) != PROOF_BYTES:
+        raise ValueError(f"a challenge needs a {NONCE_BYTES}-byte nonce and proof")
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_CHALLENGE) + nonce + proof
+
+
+def auth_result(ok: bool) -> bytes:
+    """The server's verdict on a client's proof."""
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_OK if ok else HELLO_AUTH_FAILED)
 
 
 def ok(rid: int) -> bytes:
@@ -515,11 +572,11 @@ class ServerConnection:
         meshcomm.errors.ProtocolError: client sent b'GET ', not the meshcomm store magic b'MCKV'
     """
 
-    __slots__ = ("_admit", "_admitted", "_buf", "_greeted", "_skip")
+    __slots__ = ("_admit", "_admitted", "_buf", "_skip", "_stage")
 
     def __init__(self, admit: Callable[[int, int, int], str | None] | None = None) -> None:
         self._buf = bytearray()
-        self._greeted = False
+        self._stage = _HELLO_STAGE
         self._admit = admit
         self._admitted = False
         self._skip = 0
@@ -537,21 +594,27 @@ class ServerConnection:
             data = memoryview(data)[dropped:]
         self._buf += data
 
-    def next_event(self) -> Hello | Request | Refused | None:
+    @property
+    def in_handshake(self) -> bool:
+        """True until the hello (and, when asked for, the proof) has been returned."""
+        return self._stage != _FRAMES_STAGE
+
+    def expect_proof(self) -> None:
+        """After a :class:`Hello`: the next event must be the client's :class:`ClientProof`.
+
+        Until it is in, no request is parsed and at most a proof's bytes are buffered.
+        """
+        self._stage = _PROOF_STAGE
+
+    def next_event(self) -> Hello | ClientProof | Request | Refused | None:
         """Return the next complete event, or None if more bytes are needed.
 
         Raises:
             ProtocolError: the bytes break the protocol; drop the connection.
         """
         buf = self._buf
-        if not self._greeted:
-            _check_magic(buf, "client")
-            if len(buf) < HELLO_SIZE:
-                return None
-            _, version, flags = _HELLO.unpack_from(buf, 0)
-            del buf[:HELLO_SIZE]
-            self._greeted = True
-            return Hello(version, flags)
+        if self._stage != _FRAMES_STAGE:
+            return self._handshake_event()
         if len(buf) < HEADER_SIZE:
             return None
         length, rid, op = _HEADER.unpack_from(buf, 0)
@@ -580,6 +643,37 @@ class ServerConnection:
         del buf[:end]
         return Request(rid, op, _PARSERS[op](body))
 
+    def _handshake_event(self) -> Hello | ClientProof | None:
+        buf = self._buf
+        if self._stage == _PROOF_STAGE:
+            # Nothing may follow the proof before the verdict: a request pipelined ahead of
+            # authentication is refused, so an unauthenticated peer can buffer 32 bytes.
+            if len(buf) > PROOF_BYTES:
+                raise ProtocolError(
+                    f"client sent {len(buf)} bytes where a {PROOF_BYTES}-byte proof was expected"
+                )
+            if len(buf) < PROOF_BYTES:
+                return None
+            proof = bytes(buf)
+            buf.clear()
+            self._stage = _FRAMES_STAGE
+            return ClientProof(proof)
+        _check_magic(buf, "client")
+        if len(buf) < HELLO_SIZE:
+            return None
+        _, version, flags = _HELLO.unpack_from(buf, 0)
+        nonce = b""
+        # Another version's hello ends here, whatever its flags: the answer is "bad version".
+        if version == PROTOCOL_VERSION and flags & FLAG_AUTH:
+            if len(buf) < HELLO_SIZE + NONCE_BYTES:
+                return None
+            nonce = bytes(buf[HELLO_SIZE : HELLO_SIZE + NONCE_BYTES])
+            del buf[: HELLO_SIZE + NONCE_BYTES]
+        else:
+            del buf[:HELLO_SIZE]
+        self._stage = _FRAMES_STAGE
+        return Hello(version, flags, nonce)
+
 
 class ClientConnection:
     """The client's view of one connection: a :class:`HelloReply`, then :class:`Response` s.
@@ -588,41 +682,65 @@ class ClientConnection:
         >>> conn = ClientConnection()
         >>> conn.receive_data(hello_reply(True) + ok_int(3, 42))
         >>> conn.next_event()
-        HelloReply(version=1, status=0)
+        HelloReply(version=2, status=0, nonce=b'', proof=b'')
         >>> rid, status, body = conn.next_event()
         >>> rid, status, parse_int(body)
         (3, 0, 42)
     """
 
-    __slots__ = ("_buf", "_greeted")
+    __slots__ = ("_buf", "_stage")
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._greeted = False
+        self._stage = _HELLO_STAGE
 
-    def hello(self, flags: int = 0) -> bytes:
-        """The 8-byte handshake this client sends first."""
-        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags)
+    def hello(self, flags: int = 0, nonce: bytes | None = None) -> bytes:
+        """The handshake this client sends first; with ``nonce``, it asks to authenticate."""
+        if nonce is None:
+            return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags & ~FLAG_AUTH)
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError(f"a nonce has {NONCE_BYTES} bytes, got {len(nonce)}")
+        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags | FLAG_AUTH) + nonce
+
+    def answer(self, proof: bytes) -> bytes:
+        """The client's proof, sent after a challenge; the server's verdict comes next."""
+        if len(proof) != PROOF_BYTES:
+            raise ValueError(f"a proof has {PROOF_BYTES} bytes, got {len(proof)}")
+        self._stage = _PROOF_STAGE
+        return bytes(proof)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Add bytes received from the server (copied: the caller may reuse ``data``)."""
         self._buf += data
 
-    def next_event(self) -> HelloReply | Response | None:
+    def next_event(self) -> HelloReply | AuthResult | Response | None:
         """Return the next complete event, or None if more bytes are needed.
 
         Raises:
             ProtocolError: the server's bytes break the protocol.
         """
         buf = self._buf
-        if not self._greeted:
+        if self._stage != _FRAMES_STAGE:
             _check_magic(buf, "server")
             if len(buf) < HELLO_SIZE:
                 return None
             _, version, status = _HELLO.unpack_from(buf, 0)
-            del buf[:HELLO_SIZE]
-            self._greeted = True
-            return HelloReply(version, status)
+            if self._stage == _PROOF_STAGE:
+                del buf[:HELLO_SIZE]
+                self._stage = _FRAMES_STAGE
+                return AuthResult(version, status)
+            nonce = proof = b""
+            if version == PROTOCOL_VERSION and status == HELLO_CHALLENGE:
+                end = HELLO_SIZE + NONCE_BYTES + PROOF_BYTES
+                if len(buf) < end:
+                    return None
+                nonce = bytes(buf[HELLO_SIZE : HELLO_SIZE + NONCE_BYTES])
+                proof = bytes(buf[HELLO_SIZE + NONCE_BYTES : end])
+                del buf[:end]
+            else:
+                del buf[:HELLO_SIZE]
+            self._stage = _FRAMES_STAGE
+            return HelloReply(version, status, nonce, proof)
         if len(buf) < HEADER_SIZE:
             return None
         length, rid, status = _HEADER.unpack_from(buf, 0)
