@@ -1,6 +1,7 @@
 """Benchmark the TCPStore: small-op throughput for one client, and a 512-client rendezvous.
 
 Run:  .venv/bin/python bench/store_bench.py [--ops 20000] [--clients 512] [--procs 8]
+          [--auth both|on|off] [--connects 2000]
 
 Part 1 starts ``python -m meshcomm.store`` as a separate process and times one client doing
 small set/get/add operations over loopback, twice: with the client and server free to run on
@@ -12,6 +13,11 @@ Part 2 starts a fresh server and runs ``--clients`` clients (``--procs`` process
 threads in each) through a rendezvous: every client connects, adds 1 to a counter, the last
 one sets "go", and everyone blocks in ``get("go")``. It reports connection errors (resets
 included) and how long the rendezvous took.
+
+``--auth`` runs parts 1 and 3 with the store authenticated (a job secret on both sides: the
+HMAC-SHA256 challenge-response of the handshake), without, or both side by side; part 2 runs
+authenticated unless ``--auth off``. Part 3 times ``--connects`` connections (TCPStore
+constructor to ready, then close) against a server in its own process: the handshake's cost.
 """
 
 from __future__ import annotations
@@ -27,17 +33,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshcomm._secret import SECRET_ENV, new_secret
 from meshcomm.store import TCPStore
 
 HOST = "127.0.0.1"
+# One secret for every authenticated case; "" means "no secret" to servers and clients.
+SECRET = new_secret()
 
 
-def start_server(cpu: int | None) -> tuple[subprocess.Popen[str], int]:
+def start_server(cpu: int | None, secret: str = "") -> tuple[subprocess.Popen[str], int]:
     """Start ``python -m meshcomm.store`` (pinned to ``cpu`` if given); return it and its port."""
     command = [sys.executable, "-m", "meshcomm.store", "--host", HOST, "--port", "0"]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, SECRET_ENV: secret}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if "listening on" not in line:
@@ -71,7 +81,7 @@ def time_ops(store: TCPStore, ops: int, repeats: int) -> dict[str, float]:
     return rates
 
 
-def throughput(ops: int, repeats: int) -> list[tuple[str, dict[str, float]]]:
+def throughput(ops: int, repeats: int, secret: str) -> list[tuple[str, dict[str, float]]]:
     rows = []
     can_pin = hasattr(os, "sched_setaffinity") and _has_taskset()
     layouts: list[tuple[str, int | None]] = [("server process, any CPU", None)]
@@ -79,21 +89,41 @@ def throughput(ops: int, repeats: int) -> list[tuple[str, dict[str, float]]]:
         layouts.append(("server process, same CPU", 0))
     original = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     for label, cpu in layouts:
-        proc, port = start_server(cpu)
+        proc, port = start_server(cpu, secret)
         try:
             if cpu is not None:
                 os.sched_setaffinity(0, {cpu})
-            store = TCPStore(HOST, port, timeout=30)
+            store = TCPStore(HOST, port, timeout=30, secret=secret)
             rows.append((label, time_ops(store, ops, repeats)))
             store.close()
         finally:
             if original is not None:
                 os.sched_setaffinity(0, original)
             stop_server(proc)
-    master = TCPStore(HOST, 0, is_master=True, timeout=30)
+    master = TCPStore(HOST, 0, is_master=True, timeout=30, secret=secret)
     rows.append(("server thread in-process, any CPU", time_ops(master, ops, repeats)))
     master.close()
     return rows
+
+
+def handshakes(connects: int, secret: str) -> dict[str, float]:
+    """Seconds from ``TCPStore(...)`` to a ready client (connect + handshake), percentiles."""
+    proc, port = start_server(None, secret)
+    try:
+        samples = []
+        for _ in range(connects):
+            start = time.perf_counter()
+            store = TCPStore(HOST, port, timeout=30, secret=secret)
+            samples.append(time.perf_counter() - start)
+            store.close()
+    finally:
+        stop_server(proc)
+    samples.sort()
+    return {
+        "p50": samples[len(samples) // 2],
+        "p90": samples[int(len(samples) * 0.9)],
+        "mean": statistics.fmean(samples),
+    }
 
 
 def _has_taskset() -> bool:
@@ -107,7 +137,7 @@ def _has_taskset() -> bool:
 # --- the rendezvous --------------------------------------------------------------------------
 
 
-def _rendezvous_process(port: int, threads: int, total: int) -> dict[str, Any]:
+def _rendezvous_process(port: int, threads: int, total: int, secret: str) -> dict[str, Any]:
     """One process of the rendezvous: ``threads`` clients, each in its own thread."""
     errors: list[str] = []
     connect_s: list[float] = []
@@ -116,7 +146,7 @@ def _rendezvous_process(port: int, threads: int, total: int) -> dict[str, Any]:
     def client() -> None:
         try:
             start = time.perf_counter()
-            store = TCPStore(HOST, port, timeout=60)
+            store = TCPStore(HOST, port, timeout=60, secret=secret)
             took = time.perf_counter() - start
             if store.add("arrived", 1) == total:
                 store.set("go", b"1")
@@ -137,16 +167,17 @@ def _rendezvous_process(port: int, threads: int, total: int) -> dict[str, Any]:
     return {"ok": len(connect_s), "errors": errors, "connect_s": connect_s}
 
 
-def rendezvous(clients: int, procs: int) -> dict[str, Any]:
-    proc, port = start_server(None)
+def rendezvous(clients: int, procs: int, secret: str) -> dict[str, Any]:
+    proc, port = start_server(None, secret)
     try:
         per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
         context = multiprocessing.get_context("spawn")
         start = time.perf_counter()
         with context.Pool(procs) as pool:
-            results = pool.starmap(_rendezvous_process, [(port, n, clients) for n in per])
+            work = [(port, n, clients, secret) for n in per]
+            results = pool.starmap(_rendezvous_process, work)
         elapsed = time.perf_counter() - start
-        check = TCPStore(HOST, port, timeout=10)
+        check = TCPStore(HOST, port, timeout=10, secret=secret)
         arrived, left = int(check.get("arrived")), int(check.get("left"))
         check.close()
     finally:
@@ -173,15 +204,32 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--clients", type=int, default=512, help="rendezvous clients")
     parser.add_argument("--procs", type=int, default=8, help="processes the clients run in")
+    parser.add_argument(
+        "--auth", choices=("both", "on", "off"), default="both", help="with a job secret or not"
+    )
+    parser.add_argument("--connects", type=int, default=2000, help="connections timed in part 3")
     args = parser.parse_args()
+    modes = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.auth]
+    secrets = {"off": "", "on": SECRET}
 
     print(f"# one client, small ops (16-byte values), ops/s, median of {args.repeats} runs")
-    print(f"{'layout':<36}{'set':>10}{'get':>10}{'add':>10}")
-    for label, rates in throughput(args.ops, args.repeats):
-        print(f"{label:<36}{rates['set']:>10,.0f}{rates['get']:>10,.0f}{rates['add']:>10,.0f}")
+    print(f"{'layout':<42}{'set':>10}{'get':>10}{'add':>10}")
+    for mode in modes:
+        for label, rates in throughput(args.ops, args.repeats, secrets[mode]):
+            name = f"{label}, auth {mode}"
+            print(f"{name:<42}{rates['set']:>10,.0f}{rates['get']:>10,.0f}{rates['add']:>10,.0f}")
 
-    print(f"\n# rendezvous: {args.clients} clients in {args.procs} processes")
-    res = rendezvous(args.clients, args.procs)
+    print(f"\n# connect + handshake, {args.connects} connections, microseconds")
+    for mode in modes:
+        took = handshakes(args.connects, secrets[mode])
+        print(
+            f"auth {mode:<4} p50 {took['p50'] * 1e6:8.0f}  p90 {took['p90'] * 1e6:8.0f}  "
+            f"mean {took['mean'] * 1e6:8.0f}"
+        )
+
+    secret = "" if args.auth == "off" else SECRET
+    print(f"\n# rendezvous: {args.clients} clients in {args.procs} processes, auth {args.auth}")
+    res = rendezvous(args.clients, args.procs, secret)
     print(
         f"clients ok {res['ok']}/{res['clients']}, errors {len(res['errors'])}, "
         f"connection resets {res['resets']}, arrived {res['arrived']}, left {res['left']}"

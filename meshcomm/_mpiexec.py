@@ -37,6 +37,7 @@ from meshcomm._procs import (
     signal_name,
     supervised_command,
 )
+from meshcomm._secret import SECRET_ENV
 
 __all__ = ["MPIEXEC_ENV", "find_mpiexec", "launch_mpiexec", "mpi_environment", "mpiexec_command"]
 
@@ -119,6 +120,7 @@ def launch_mpiexec(
     prefix: bool,
     grace_period: float,
     stop_signals: list[int],
+    secret: str | None = None,
 ) -> int:
     """Run the job; return meshrun's exit status.
 
@@ -129,12 +131,19 @@ def launch_mpiexec(
         prefix: label output lines with the rank.
         grace_period: seconds between passing on a stop signal and SIGKILL.
         stop_signals: filled by meshrun's signal handler with the signals it receives.
+        secret: the job's ``MESHCOMM_SECRET``, passed to the ranks through mpiexec's
+            environment (which it forwards); None: the ranks get none (unauthenticated).
     """
     argv = mpiexec_command(mpiexec, nprocs, command)
+    env = mpi_environment(nprocs, prefix)
+    if secret:
+        env[SECRET_ENV] = secret
+    else:
+        env.pop(SECRET_ENV, None)
     try:
         proc = subprocess.Popen(
             supervised_command(argv),
-            env=mpi_environment(nprocs, prefix),
+            env=env,
             stdin=subprocess.DEVNULL,
         )
     except OSError as exc:

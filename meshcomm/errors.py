@@ -5,7 +5,8 @@ MeshCommError`` catches them all. The tree::
 
     MeshCommError
     ├── StoreError              the key-value store failed (connection, protocol, closed)
-    │   └── StoreTimeout        a get/wait did not see its keys in time (also a TimeoutError)
+    │   ├── StoreTimeout        a get/wait did not see its keys in time (also a TimeoutError)
+    │   └── StoreAuthError      the store and this client do not share the job's secret
     ├── RendezvousError         ranks could not agree on who they are (duplicate rank, world size)
     ├── CommError               a collective or point-to-point operation failed
     │   ├── CommTimeout         a peer stayed silent past the timeout (also a TimeoutError)
@@ -47,6 +48,7 @@ __all__ = [
     "RendezvousError",
     "SpawnError",
     "SpawnTimeout",
+    "StoreAuthError",
     "StoreError",
     "StoreTimeout",
 ]
@@ -62,6 +64,11 @@ class StoreError(MeshCommError):
 
 class StoreTimeout(StoreError, TimeoutError):
     """A store ``get``/``wait`` did not see its keys within the timeout."""
+
+
+class StoreAuthError(StoreError):
+    """The store handshake failed authentication: a wrong secret on either side, or one side
+    has a secret (``MESHCOMM_SECRET``) and the other none. Not retried: it will not heal."""
 
 
 class RendezvousError(MeshCommError):

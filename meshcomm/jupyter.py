@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from meshcomm._secret import SECRET_ENV
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS
 from meshcomm.errors import InvalidArgument, MeshCommError
@@ -259,6 +260,7 @@ def start_cluster(
         raise InvalidArgument(f"heartbeat_ms must be an int >= 10, got {heartbeat_ms!r}")
     seconds = to_seconds(timeout)
     ipp = _require_ipyparallel()
+    from meshcomm._launch_secret import launch_secret
     from meshcomm.store.server import StoreServer
 
     started = time.perf_counter()
@@ -281,7 +283,9 @@ def start_cluster(
         kwargs["profile_dir"] = profile_dir
     kwargs.update(cluster_kwargs or {})
     cluster = ipp.Cluster(**kwargs)
-    server = StoreServer("127.0.0.1", 0)
+    # The engines' world admits only them: the notebook's own secret if it has one.
+    secret = launch_secret()
+    server = StoreServer("127.0.0.1", 0, secret=secret)
     server.start()
     client = None
     try:
@@ -293,7 +297,7 @@ def start_cluster(
         view = client[engine_ids]
         view.block = True
         pids = _setup_engines(
-            client, engine_ids, backend, server.port, shape, names, op_timeout, deadline
+            client, engine_ids, backend, server.port, shape, names, op_timeout, deadline, secret
         )
     except BaseException:
         if client is not None:
@@ -369,17 +373,29 @@ def _setup_engines(
     names: tuple[str, ...] | None,
     op_timeout: Timeout | None,
     deadline: float,
+    secret: str,
 ) -> list[int]:
     """Run the rendezvous on every engine at once; return the engines' pids in rank order.
 
     The start's deadline is kept here, in the notebook: engines that miss it are stopped
-    with the cluster, so their world can keep the timeout meant for later operations.
+    with the cluster, so their world can keep the timeout meant for later operations. The
+    job's secret travels with the setup call, over ipyparallel's own (HMAC-signed) channel,
+    which already carries the code the engines run.
     """
     world_size = len(engine_ids)
     seconds = None if op_timeout is None else to_seconds(op_timeout)
     pending = [
         client[eid].apply_async(
-            _engine_setup, rank, world_size, backend, "127.0.0.1", port, shape, names, seconds
+            _engine_setup,
+            rank,
+            world_size,
+            backend,
+            "127.0.0.1",
+            port,
+            shape,
+            names,
+            seconds,
+            secret,
         )
         for rank, eid in enumerate(engine_ids)
     ]
@@ -442,6 +458,7 @@ def _engine_setup(
     shape: tuple[int, ...] | None,
     names: tuple[str, ...] | None,
     timeout: float | None,
+    secret: str = "",
 ) -> int:
     """On one engine: set the launcher variables, join the world, fill the namespace."""
     import numpy as np
@@ -459,6 +476,7 @@ def _engine_setup(
             "MESHCOMM_MASTER_ADDR": addr,
             "MESHCOMM_MASTER_PORT": str(port),
             "MESHCOMM_STORE_HOSTED": "1",
+            SECRET_ENV: secret,
         }
     )
     meshcomm.shutdown()  # an engine reused from an earlier cluster leaves its old world

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import time
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from meshcomm._secret import SECRET_ENV
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, RendezvousError, StoreError, StoreTimeout
 from meshcomm.launch import (
@@ -61,7 +63,16 @@ __all__ = [
     "storeless_rendezvous",
 ]
 
+_log = logging.getLogger("meshcomm.rendezvous")
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Said once per process: a job that re-initialises in a loop must not repeat it.
+_warned_unauthenticated = False
+# A store that a rank hosts is named by a random id under this key; the ids of the stores of
+# worlds this process has left are kept, so that a re-initialising rank that reaches its old
+# world's store (its host has not closed it yet) lets go and tries again (issue 17).
+_STORE_ID_KEY = "meshcomm/store_id"
+_left_stores: set[str] = set()
+_REJOIN_BACKOFF_MAX = 0.1
 # After an abort, the rank that hosts the store server keeps it up this long (at most) so the
 # other ranks can read the reason instead of seeing a dropped connection.
 _ABORT_LINGER = 2.0
@@ -192,6 +203,7 @@ class Rendezvous:
         owns_store: whether :meth:`close` closes the store (False for a caller's store).
         hosts_server: whether this process runs the TCPStore server.
         namespace: the store prefix of this rendezvous's own keys.
+        store_id: the random id of a store that a rank hosts ("" otherwise).
     """
 
     rank: int
@@ -206,6 +218,7 @@ class Rendezvous:
     owns_store: bool
     hosts_server: bool
     namespace: str
+    store_id: str = ""
     _closed: bool = False
 
     def close(self, wait: float | None = None) -> None:
@@ -221,6 +234,8 @@ class Rendezvous:
         if self._closed:
             return
         self._closed = True
+        if self.store_id:
+            _left_stores.add(self.store_id)
         if self.raw_store is None:
             return
         try:
@@ -301,12 +316,14 @@ def rendezvous(
         _refuse_bare_engine(env)
     me = _identity(rank, world_size, info)
     deadline = time.monotonic() + seconds
+    store_id = ""
     if method is None:
         assert store is not None  # method is None only for a given store
         raw, address, owns, hosts = store, f"the given {type(store).__name__}", False, False
     else:
-        raw, address, hosts = _open_store(method, info, me.rank, me.world_size, seconds, deadline)
+        raw, address, hosts, store_id = _open_fresh_store(method, info, me, seconds, deadline)
         owns = True
+        _warn_if_unauthenticated(raw, address)
     # A launcher that restarts workers keeps its store: the restart count keeps rounds apart.
     tag = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{generation}"
     namespace = f"meshcomm/rdzv/{tag}"
@@ -332,7 +349,60 @@ def rendezvous(
         owns_store=owns,
         hosts_server=hosts,
         namespace=namespace,
+        store_id=store_id,
     )
+
+
+def _open_fresh_store(
+    method: InitMethod, info: LaunchInfo, me: LaunchInfo, seconds: float, deadline: float
+) -> tuple[Store, str, bool, str]:
+    """Open the store, but never the still-open store of a world this process has left.
+
+    A rank hosting the store names it with a random id. When a world is re-made on a fixed
+    port, the faster rank can reach the previous world's store before its host has closed
+    it; joining it would fail the new rendezvous when that store closes under it. Its id
+    gives it away: let go, and retry until the host serves the new store.
+
+    Returns:
+        (store, address, hosts_server, store id or "").
+    """
+    from meshcomm.store import TCPStore
+
+    delay = 0.005
+    while True:
+        raw, address, hosts = _open_store(method, info, me.rank, me.world_size, seconds, deadline)
+        rank0_hosted = isinstance(raw, TCPStore) and (
+            method.scheme == "tcp" or info.store_host == "rank0"
+        )
+        # A rank 0 that found its port taken joined as a client to report the clash: no id.
+        if not rank0_hosted or (me.rank == 0 and not hosts):
+            return raw, address, hosts, ""
+        try:
+            if hosts:
+                store_id = uuid.uuid4().hex
+                raw.set(_STORE_ID_KEY, store_id)
+                return raw, address, hosts, store_id
+            raw.wait([_STORE_ID_KEY], timeout=max(deadline - time.monotonic(), 1e-3))
+            store_id = raw.get(_STORE_ID_KEY).decode(errors="replace")
+        except StoreTimeout as exc:
+            raw.close()
+            raise RendezvousError(
+                f"rank {me.rank}: the store at {address} did not say which store it is: {exc}"
+            ) from exc
+        except StoreError:
+            store_id = ""  # closed under us: the old world's store, going away; try again
+        else:
+            if store_id not in _left_stores:
+                return raw, address, hosts, store_id
+        raw.close()
+        if time.monotonic() + delay >= deadline:
+            raise RendezvousError(
+                f"rank {me.rank}: the store at {address} is still the one of a world this "
+                f"process has left, after {seconds:g} s: its host (rank 0) has not started "
+                "the new one"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, _REJOIN_BACKOFF_MAX)
 
 
 def storeless_rendezvous(
@@ -373,6 +443,23 @@ def storeless_rendezvous(
         owns_store=False,
         hosts_server=False,
         namespace="",
+    )
+
+
+def _warn_if_unauthenticated(store: Store, address: str) -> None:
+    """Say once per process that the job's network store admits anyone who can reach it."""
+    global _warned_unauthenticated
+    # Stores that never cross the network (HashStore, FileStore) have no such attribute.
+    if _warned_unauthenticated or getattr(store, "authenticated", True):
+        return
+    _warned_unauthenticated = True
+    _log.warning(
+        "meshcomm: this job is unauthenticated: its store at %s has no secret (%s is not "
+        "set), so any process that can reach that port can read and change the job's keys "
+        "(its ranks' addresses, the tcp backend's token, aborts). meshrun, meshcomm.spawn and "
+        "jupyter.start_cluster set a secret per job; see docs/security.md",
+        address,
+        SECRET_ENV,
     )
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from meshcomm._forkrun import can_fork, fork_rank, preload, single_threaded
+from meshcomm._launch_secret import launch_secret, read_secret_file
 from meshcomm._procs import (
     DEFAULT_GRACE_PERIOD,
     SHADOWING_VARIABLES,
@@ -65,7 +66,8 @@ from meshcomm._procs import (
     signal_name,
     supervised_command,
 )
-from meshcomm.errors import MeshCommError
+from meshcomm._secret import SECRET_ENV
+from meshcomm.errors import InvalidArgument, MeshCommError
 
 if TYPE_CHECKING:
     from meshcomm.store.server import StoreServer
@@ -128,6 +130,8 @@ class LaunchConfig:
         backend: the backend ``meshcomm.init()`` picks in the ranks (None: its default);
             "mpi" starts the ranks through ``mpiexec``.
         mpiexec: the ``mpiexec`` for ``backend="mpi"``.
+        secret: the job's ``MESHCOMM_SECRET`` given to every rank and to the store this node
+            hosts; None runs the job unauthenticated (``--no-secret``).
     """
 
     nproc_per_node: int
@@ -144,6 +148,8 @@ class LaunchConfig:
     start_method: str = "spawn"
     backend: str | None = None
     mpiexec: str | None = None
+    # Never in a repr: a LaunchConfig may be printed or logged.
+    secret: str | None = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -262,6 +268,24 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the mpiexec for --backend mpi; default: $MESHCOMM_MPIEXEC, the one next to "
         "this Python, then PATH",
     )
+    add(
+        "--secret-file",
+        "--secret_file",
+        dest="secret_file",
+        default=None,
+        metavar="PATH",
+        help=f"read the job's secret from PATH (mode 0600; the same file on every node); "
+        f"default: ${SECRET_ENV}, else a fresh random secret on one node. Several nodes need "
+        "one of the two",
+    )
+    add(
+        "--no-secret",
+        "--no_secret",
+        dest="no_secret",
+        action="store_true",
+        help="run unauthenticated: any process that can reach the store or a rank's port can "
+        "join or disturb the job (torchrun's behaviour)",
+    )
     add("script", metavar="script", help="the program: a .py file, or a module with -m")
     add("script_args", nargs=argparse.REMAINDER, help="arguments passed to the program")
     return parser
@@ -378,6 +402,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
             f"${START_METHOD_VARIABLE} must be one of {', '.join(START_METHODS)}, "
             f"got {start_method!r}"
         )
+    secret = _job_secret(ns, nnodes, parser)
     script_file = None if ns.module or ns.no_python else ns.script
     if ns.no_python:
         command: tuple[str, ...] = (ns.script, *ns.script_args)
@@ -405,7 +430,31 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         start_method=start_method,
         backend=ns.backend,
         mpiexec=mpiexec,
+        secret=secret,
     )
+
+
+def _job_secret(ns: argparse.Namespace, nnodes: int, parser: argparse.ArgumentParser) -> str | None:
+    """The job's secret: ``--secret-file``, else ``MESHCOMM_SECRET``, else fresh (one node)."""
+    if ns.no_secret:
+        if ns.secret_file is not None:
+            parser.error("--no-secret and --secret-file cannot be combined")
+        return None
+    if ns.secret_file is not None:
+        try:
+            return read_secret_file(ns.secret_file)
+        except InvalidArgument as exc:
+            parser.error(str(exc))
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    if nnodes > 1:
+        # Each node's meshrun would make a different secret, and no rank could join.
+        parser.error(
+            f"--nnodes {nnodes}: every node needs the same secret: set {SECRET_ENV} to the "
+            "same value on every node, or pass --secret-file PATH (a mode-0600 file every node "
+            "can read); --no-secret runs the job unauthenticated"
+        )
+    return launch_secret({})
 
 
 def child_environment(
@@ -421,10 +470,12 @@ def child_environment(
 
     Example:
         >>> cfg = parse_args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
-        ...                   "--master-addr", "10.0.0.1", "x.py"])
+        ...                   "--master-addr", "10.0.0.1", "--no-secret", "x.py"])
         >>> env = child_environment(cfg, 1, 29500, base={})
         >>> env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["GROUP_RANK"]
         ('3', '4', '1', '1')
+        >>> "MESHCOMM_SECRET" in env  # --no-secret; else the job's secret
+        False
     """
     env = dict(os.environ if base is None else base)
     for name in SHADOWING_VARIABLES:
@@ -443,6 +494,10 @@ def child_environment(
         )
     )
     env["PYTHONUNBUFFERED"] = "1"
+    if config.secret:
+        env[SECRET_ENV] = config.secret
+    else:
+        env.pop(SECRET_ENV, None)  # --no-secret: an inherited secret would contradict it
     if config.backend is not None:
         env["MESHCOMM_BACKEND"] = config.backend
     if config.nproc_per_node > 1:
@@ -853,7 +908,7 @@ def _host_store(config: LaunchConfig) -> StoreServer:
     """Bind the rendezvous store this node hosts (node 0 only); the caller starts it."""
     from meshcomm.store.server import StoreServer
 
-    return StoreServer(config.bind_addr, config.master_port)
+    return StoreServer(config.bind_addr, config.master_port, secret=config.secret or "")
 
 
 def _prepare_fork(config: LaunchConfig, port: int) -> bool:
@@ -925,6 +980,7 @@ def _launch_mpi(config: LaunchConfig) -> int:
             prefix=config.prefix,
             grace_period=config.grace_period,
             stop_signals=received,
+            secret=config.secret,
         )
 
 

@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from meshcomm._launch_secret import launch_secret
 from meshcomm._procs import (
     DEFAULT_GRACE_PERIOD,
     SHADOWING_VARIABLES,
@@ -35,6 +36,7 @@ from meshcomm._procs import (
     rank_environment,
     set_parent_death_signal,
 )
+from meshcomm._secret import SECRET_ENV
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import (
     InvalidArgument,
@@ -254,10 +256,10 @@ def _check_picklable(what: str, value: object) -> None:
         ) from exc
 
 
-def _host_store() -> StoreServer:
+def _host_store(secret: str) -> StoreServer:
     from meshcomm.store.server import StoreServer
 
-    server = StoreServer("127.0.0.1", 0)
+    server = StoreServer("127.0.0.1", 0, secret=secret)
     server.start()
     return server
 
@@ -272,10 +274,12 @@ def spawn(
     """Run ``fn(rank, *args)`` in ``nprocs`` new processes with a ready rendezvous.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT`` and ``MESHCOMM_STORE_HOSTED=1`` (the store is a
-    ``StoreServer`` this process hosts on 127.0.0.1), so ``meshcomm.init()`` in ``fn`` joins
-    a world of ``nprocs``. If one process fails, the others are stopped (SIGTERM, then
-    SIGKILL after a few seconds) and an exception says which rank failed and why. The
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``MESHCOMM_STORE_HOSTED=1`` (the store is a
+    ``StoreServer`` this process hosts on 127.0.0.1) and ``MESHCOMM_SECRET`` (this process's
+    own if set, else a fresh one per call; the store admits only holders of it), so
+    ``meshcomm.init()`` in ``fn`` joins a world of ``nprocs``. If one process fails, the
+    others are stopped (SIGTERM, then SIGKILL after a few seconds) and an exception says
+    which rank failed and why. The
     processes die if this one is killed; start them from a thread that outlives them (Linux
     ties them to the starting thread).
 
@@ -324,7 +328,10 @@ def spawn(
     import multiprocessing  # here: ``import meshcomm`` (every rank) need not pay for it
 
     mp = multiprocessing.get_context("spawn")
-    server = _host_store()
+    # One secret per job (or the caller's MESHCOMM_SECRET): the store and links admit only
+    # these processes. It reaches them through their environment, never a socket.
+    secret = launch_secret()
+    server = _host_store(secret)
     processes: list[BaseProcess] = []
     readers: list[Connection] = []
     try:
@@ -337,6 +344,7 @@ def spawn(
                 master_addr="127.0.0.1",
                 master_port=server.port,
             )
+            env[SECRET_ENV] = secret
             reader, writer = mp.Pipe(duplex=False)
             proc = mp.Process(
                 target=_entry,

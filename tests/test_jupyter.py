@@ -73,6 +73,16 @@ def who_am_i() -> tuple[int, int, int]:
 
 
 @engine_fn
+def my_secret() -> tuple[str, bool]:
+    import hashlib
+    import os
+
+    secret = os.environ.get("MESHCOMM_SECRET", "")
+    store = meshcomm.get_world_info().raw_store
+    return hashlib.sha256(secret.encode()).hexdigest(), bool(store.authenticated) and bool(secret)
+
+
+@engine_fn
 def my_coordinate() -> tuple[int, ...]:
     return mesh.get_coordinate()
 
@@ -173,6 +183,12 @@ def test_engines_are_ranks_with_a_mesh(cluster: MeshCluster) -> None:
     assert ranks == [(r, r, 4) for r in range(4)]
     coords = cluster.apply(my_coordinate, timeout=CALL_TIMEOUT)
     assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_engines_share_a_secret_and_an_authenticated_store(cluster: MeshCluster) -> None:
+    answers = cluster.apply(my_secret, timeout=CALL_TIMEOUT)
+    assert len({digest for digest, _ in answers}) == 1, answers
+    assert all(authenticated for _, authenticated in answers), answers
 
 
 def test_psum_and_all_gather_match_numpy(cluster: MeshCluster) -> None:

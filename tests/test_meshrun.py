@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import meshcomm
-from meshcomm.run import START_METHOD_VARIABLE, parse_args
+from meshcomm.run import START_METHOD_VARIABLE, child_environment, parse_args
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parent.parent
@@ -209,11 +209,15 @@ def test_ranks_use_the_hosted_store() -> None:
     assert sorted(result.stdout.splitlines()) == [f"[rank{r}] sum 60" for r in range(4)]
 
 
-def test_two_nodes_on_one_machine() -> None:
+def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     with socket.socket() as probe:  # the nodes must agree on a port before either binds it
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    secret = tmp_path / "secret"  # several nodes need one secret (tests/test_launch_secret.py)
+    secret.write_text("two nodes")
+    secret.chmod(0o600)
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--secret-file", str(secret)]  # fmt: skip
     store_script = str(SCRIPTS / "launch_store.py")
     nodes = [
         start_meshrun(*common, "--node-rank", str(k), "--master-port", port, store_script)
@@ -231,7 +235,8 @@ def test_two_nodes_on_one_machine() -> None:
     assert sorted(outputs[1][0].splitlines()) == ["[rank2] sum 60", "[rank3] sum 60"]
 
 
-def test_node_environment_of_a_later_node() -> None:
+def test_node_environment_of_a_later_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHCOMM_SECRET", "shared")  # several nodes need one
     cfg = parse_args(
         ["--nnodes", "3", "--node-rank", "2", "--nproc-per-node", "4", "--master-addr", "h0",
          "x.py"]
@@ -239,6 +244,8 @@ def test_node_environment_of_a_later_node() -> None:
     assert (cfg.world_size, cfg.master_addr, cfg.master_port, cfg.bind_addr) == (
         12, "h0", 29500, "0.0.0.0"
     )  # fmt: skip
+    assert child_environment(cfg, 0, 29500, base={})["MESHCOMM_SECRET"] == "shared"
+    assert "shared" not in repr(cfg)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from meshcomm.errors import MeshCommError
-from meshcomm.store.server import DEFAULT_BACKLOG, StoreServer
+from meshcomm.store.server import DEFAULT_BACKLOG, MEMORY_ENV, StoreServer
 
 __all__ = ["main"]
 
@@ -42,10 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG, help="listen backlog")
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        metavar="BYTES",
+        help=f"total memory budget (bytes, or with K/M/G); default ${MEMORY_ENV}, else 256M",
+    )
     args = parser.parse_args(argv)
     _raise_fd_limit()
     try:
-        server = StoreServer(args.host, args.port, backlog=args.backlog)
+        server = StoreServer(
+            args.host, args.port, backlog=args.backlog, memory_limit=args.memory_limit
+        )
     except MeshCommError as exc:
         print(f"meshcomm store: {exc}", file=sys.stderr)
         return 1

@@ -17,8 +17,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from meshcomm._secret import SECRET_ENV, job_secret, matches, new_nonce, proof
 from meshcomm._timeout import Timeout, to_seconds
-from meshcomm.errors import InvalidArgument, ProtocolError, StoreError, StoreTimeout
+from meshcomm.errors import (
+    InvalidArgument,
+    ProtocolError,
+    StoreAuthError,
+    StoreError,
+    StoreTimeout,
+)
 from meshcomm.store import wire
 from meshcomm.store.base import (
     Store,
@@ -57,10 +64,19 @@ class TCPStore(Store):
             master's wait for workers; default :func:`~meshcomm._timeout.default_timeout`.
         wait_for_workers: on the master with ``world_size`` set, block in the constructor
             until ``world_size`` clients have connected.
+        memory_limit: on the master, the server's memory budget (see :class:`StoreServer`);
+            default ``MESHCOMM_STORE_MEMORY``, else 256 MiB. Ignored by clients.
+        secret: the job's secret (str or bytes). Client and server prove to each other that
+            they know it (HMAC-SHA256 over fresh nonces; it never crosses the wire), and a
+            client with a secret refuses a server without one, and vice versa. None (the
+            default) reads ``MESHCOMM_SECRET``; ``""`` (or no secret anywhere) connects
+            without authentication, like torch's TCPStore. The master's server uses it too.
 
     Raises:
         InvalidArgument: bad host, port, or world_size; port 0 on a non-master.
         StoreError: the master cannot bind (port in use); the server speaks another protocol.
+        StoreAuthError: the server and this client do not share the secret (or only one has
+            one); not retried.
         StoreTimeout: no server answered within the timeout, or too few workers connected.
 
     Example:
@@ -79,8 +95,12 @@ class TCPStore(Store):
         is_master: bool = False,
         timeout: Timeout | None = None,
         wait_for_workers: bool = True,
+        *,
+        memory_limit: int | str | None = None,
+        secret: str | bytes | None = None,
     ) -> None:
         super().__init__(timeout)
+        self._secret = job_secret(secret)
         check_host_port(host, port)
         if world_size is not None and (
             not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
@@ -104,7 +124,12 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         started = time.monotonic()
         if is_master:
-            self._server = StoreServer(host, port)
+            self._server = StoreServer(
+                host,
+                port,
+                memory_limit=memory_limit,
+                secret=b"" if not self._secret else self._secret,
+            )
             self._server.start()
             port = self._server.port
         self._port = port
@@ -138,6 +163,11 @@ class TCPStore(Store):
     def address(self) -> str:
         """``host:port`` of the server."""
         return self._address
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether this client authenticates to the store with the job's secret."""
+        return self._secret is not None
 
     @property
     def server(self) -> StoreServer | None:
@@ -293,17 +323,56 @@ class TCPStore(Store):
     def _handshake(self, sock: socket.socket, register: bool, deadline: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = wire.ClientConnection()
+        secret = self._secret
+        mine = None if secret is None else new_nonce()
         try:
             sock.settimeout(min(max(deadline - time.monotonic(), 0.001), _MAX_SOCKET_TIMEOUT))
-            sock.sendall(conn.hello(wire.FLAG_REGISTER if register else 0))
-            while True:
-                event = conn.next_event()
-                if event is not None:
-                    break
-                data = sock.recv(64)
-                if not data:
-                    raise _Retry("the server closed the connection during the handshake")
-                conn.receive_data(data)
+            sock.sendall(conn.hello(wire.FLAG_REGISTER if register else 0, mine))
+            reply = self._handshake_event(sock, conn)
+            if not isinstance(reply, wire.HelloReply):
+                raise StoreError(f"the server at {self._address} sent no handshake answer")
+            if reply.version != wire.PROTOCOL_VERSION or reply.status == wire.HELLO_BAD_VERSION:
+                raise StoreError(
+                    f"the store server at {self._address} speaks protocol version "
+                    f"{reply.version}; this client speaks version {wire.PROTOCOL_VERSION}"
+                )
+            if secret is None or mine is None:
+                if reply.status == wire.HELLO_AUTH_REQUIRED:
+                    raise StoreAuthError(
+                        f"the store at {self._address} requires authentication, but this "
+                        f"client has no secret: set {SECRET_ENV} (the job's secret) or pass "
+                        "secret="
+                    )
+                if reply.status != wire.HELLO_OK:
+                    raise StoreError(
+                        f"the store at {self._address} answered the handshake with status "
+                        f"{reply.status}"
+                    )
+            else:
+                if reply.status == wire.HELLO_OK:
+                    raise StoreAuthError(
+                        f"the store at {self._address} has no secret (it is unauthenticated), "
+                        f"but this client has one ({SECRET_ENV} or secret=): refusing to use it"
+                    )
+                if reply.status != wire.HELLO_CHALLENGE:
+                    raise StoreError(
+                        f"the store at {self._address} answered the handshake with status "
+                        f"{reply.status}"
+                    )
+                expected = proof(secret, b"server", b"store", mine, reply.nonce)
+                if not matches(expected, reply.proof):
+                    raise StoreAuthError(
+                        f"the store at {self._address} could not prove it knows this job's "
+                        f"secret: the secrets differ (another job's store, a wrong "
+                        f"{SECRET_ENV}, or an impostor)"
+                    )
+                sock.sendall(conn.answer(proof(secret, b"client", b"store", mine, reply.nonce)))
+                verdict = self._handshake_event(sock, conn)
+                if not isinstance(verdict, wire.AuthResult) or verdict.status != wire.HELLO_OK:
+                    raise StoreAuthError(
+                        f"the store at {self._address} rejected this client's proof of the "
+                        "job's secret"
+                    )
         except ProtocolError as exc:
             raise StoreError(
                 f"the server at {self._address} is not a meshcomm store server: {exc}"
@@ -315,14 +384,19 @@ class TCPStore(Store):
             ) from exc
         except OSError as exc:
             raise _Retry(f"handshake failed: {exc}") from exc
-        if not isinstance(event, wire.HelloReply):
-            raise StoreError(f"the server at {self._address} sent no handshake answer")
-        if event.version != wire.PROTOCOL_VERSION or event.status != wire.HELLO_OK:
-            raise StoreError(
-                f"the store server at {self._address} speaks protocol version {event.version}; "
-                f"this client speaks version {wire.PROTOCOL_VERSION}"
-            )
         self._conn = conn
+
+    def _handshake_event(
+        self, sock: socket.socket, conn: wire.ClientConnection
+    ) -> wire.HelloReply | wire.AuthResult | wire.Response:
+        while True:
+            event = conn.next_event()
+            if event is not None:
+                return event
+            data = sock.recv(256)
+            if not data:
+                raise _Retry("the server closed the connection during the handshake")
+            conn.receive_data(data)
 
     def _disconnect(self) -> None:
         """Close the socket (lock held); the next request reconnects."""

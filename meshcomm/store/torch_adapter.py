@@ -119,6 +119,11 @@ class TorchStore(Store):
         return cls(store, seconds, address=f"{host}:{port}")
 
     @property
+    def authenticated(self) -> bool:
+        """Always False: torch's TCPStore has no authentication."""
+        return False
+
+    @property
     def torch_store(self) -> Any:
         """The wrapped torch store.
 

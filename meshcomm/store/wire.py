@@ -1,13 +1,25 @@
 """The TCPStore wire protocol, sans-IO: bytes in, events out. No socket is touched here.
 
-Handshake (8 bytes each way)::
+Handshake (version 2)::
 
-    client -> server   magic b"MCKV" | u16 protocol version | u16 flags (bit 0: register)
-    server -> client   magic b"MCKV" | u16 protocol version | u16 status (0 ok, 1 bad version)
+    client -> server   magic b"MCKV" | u16 protocol version | u16 flags   (bit 0: register,
+                       bit 1: authenticate) | [32-byte client nonce, with bit 1]
+    server -> client   magic b"MCKV" | u16 protocol version | u16 status
+                       | [32-byte server nonce | 32-byte server proof, with status 2]
+    and with status 2:
+    client -> server   32-byte client proof
+    server -> client   magic b"MCKV" | u16 protocol version | u16 status (0 ok, 4 failed)
 
-A server that sees a wrong magic closes the connection without a word; one that sees another
-version answers with its own version and status 1, then closes. After the handshake every
-message is a frame, big-endian::
+Statuses: 0 ok (no authentication), 1 bad version, 2 challenge (the server has a secret),
+3 authentication required (the server has a secret, the client offered none), 4 the client's
+proof was wrong. Proofs are ``meshcomm._secret.proof(secret, role, b"store", client nonce,
+server nonce)`` with role ``b"server"`` / ``b"client"``: each side proves it knows the job's
+secret over both fresh nonces, the secret never crosses the wire, and a recorded handshake is
+worthless on a new connection (the other side's nonce differs). A client with a secret
+refuses a status-0 server; a server with a secret answers a client without one with status
+3. A server that sees a wrong magic closes the connection without a word; one that sees
+another version answers with its own version and status 1, then closes. After the handshake
+every message is a frame, big-endian::
 
     u32 body length | u32 request id | u8 opcode (request) or status (response) | body
 
@@ -19,7 +31,7 @@ bodies are parsed. Any violation raises :class:`~meshcomm.errors.ProtocolError`.
 Request bodies (``key`` alone = the rest of the body; ``str`` = u32 length + bytes)::
 
     SET, APPEND     str key | value
-    GET             f64 timeout | key
+    GET             f64 timeout | key   (seconds; NaN/negative -> 0, >= FOREVER -> no deadline)
     ADD             i64 amount | key
     COMPARE_SET     str key | str expected | desired
     WAIT, MULTI_GET f64 timeout | u32 n | n * str key
@@ -36,13 +48,13 @@ Example:
     >>> client, server = ClientConnection(), ServerConnection()
     >>> server.receive_data(client.hello(FLAG_REGISTER))
     >>> server.next_event()
-    Hello(version=1, flags=1)
+    Hello(version=2, flags=1, nonce=b'')
     >>> server.receive_data(request(OP_GET, 7, body_get(2.0, b"k")))
     >>> server.next_event()
     Request(rid=7, op=2, args=(2.0, b'k'))
     >>> client.receive_data(hello_reply(True) + ok_value(7, b"v"))
     >>> client.next_event(), client.next_event()
-    (HelloReply(version=1, status=0), Response(rid=7, status=0, body=b'v'))
+    (HelloReply(version=2, status=0, nonce=b'', proof=b''), Response(rid=7, status=0, body=b'v'))
 """
 
 from __future__ import annotations
@@ -52,13 +64,20 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from meshcomm._secret import NONCE_BYTES, PROOF_BYTES
 from meshcomm.errors import ProtocolError
 from meshcomm.store.base import MAX_KEY_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
     "FLAG_REGISTER",
+    "FOREVER",
+    "ADMIT_THRESHOLD",
     "HEADER_SIZE",
+    "FLAG_AUTH",
+    "HELLO_AUTH_FAILED",
+    "HELLO_AUTH_REQUIRED",
     "HELLO_BAD_VERSION",
+    "HELLO_CHALLENGE",
     "HELLO_OK",
     "HELLO_SIZE",
     "MAGIC",
@@ -81,9 +100,12 @@ __all__ = [
     "STATUS_ERROR",
     "STATUS_OK",
     "STATUS_TIMEOUT",
+    "AuthResult",
     "ClientConnection",
+    "ClientProof",
     "Hello",
     "HelloReply",
+    "Refused",
     "Request",
     "Response",
     "ServerConnection",
@@ -95,9 +117,12 @@ __all__ = [
     "body_multi_set",
     "body_wait",
     "error",
+    "auth_result",
+    "challenge",
     "hello_reply",
     "ok",
     "ok_bool",
+    "ok_header",
     "ok_int",
     "ok_value",
     "ok_values",
@@ -110,15 +135,25 @@ __all__ = [
 ]
 
 MAGIC = b"MCKV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Client hello flag: count this client towards the master's ``world_size``.
 FLAG_REGISTER = 0x1
+#: Client hello flag: the client has a secret; its nonce follows the hello.
+FLAG_AUTH = 0x2
 HELLO_OK = 0
 HELLO_BAD_VERSION = 1
+HELLO_CHALLENGE = 2
+HELLO_AUTH_REQUIRED = 3
+HELLO_AUTH_FAILED = 4
 #: Largest frame body either side accepts: one maximal value plus room for keys and counts.
 MAX_BODY_BYTES = MAX_VALUE_BYTES + 64 * 1024
 #: Longest error message a server sends, in bytes.
 MAX_ERROR_BYTES = 4096
+#: Frames with a body up to this size are admitted without asking the ``admit`` callback.
+ADMIT_THRESHOLD = 64 * 1024
+#: A blocking request's timeout at or above this many seconds (about 31 years; ``inf``
+#: included) parks it with no deadline. Parsed timeouts are clamped into ``[0, FOREVER]``.
+FOREVER = 1e9
 
 OP_SET = 1
 OP_GET = 2
@@ -153,6 +188,7 @@ STATUS_TIMEOUT = 2
 _STATUSES = frozenset((STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT))
 
 _HELLO = struct.Struct("!4sHH")
+_HELLO_STAGE, _PROOF_STAGE, _FRAMES_STAGE = 0, 1, 2
 HELLO_SIZE = _HELLO.size
 _HEADER = struct.Struct("!IIB")
 HEADER_SIZE = _HEADER.size
@@ -180,17 +216,41 @@ _REQUEST_LIMITS = {
 
 
 class Hello(NamedTuple):
-    """The client's handshake, as the server sees it."""
+    """The client's handshake, as the server sees it (``nonce`` set with ``FLAG_AUTH``)."""
 
     version: int
     flags: int
+    nonce: bytes = b""
 
 
 class HelloReply(NamedTuple):
-    """The server's handshake answer, as the client sees it."""
+    """The server's handshake answer, as the client sees it (a challenge carries the rest)."""
 
     version: int
     status: int
+    nonce: bytes = b""
+    proof: bytes = b""
+
+
+class ClientProof(NamedTuple):
+    """The client's answer to a challenge, as the server sees it."""
+
+    proof: bytes
+
+
+class AuthResult(NamedTuple):
+    """The server's verdict on the client's proof: ``HELLO_OK`` or ``HELLO_AUTH_FAILED``."""
+
+    version: int
+    status: int
+
+
+class Refused(NamedTuple):
+    """A request frame the server's ``admit`` callback refused; its body is skipped unread."""
+
+    rid: int
+    op: int
+    reason: str
 
 
 class Request(NamedTuple):
@@ -265,14 +325,33 @@ def body_multi_set(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def hello_reply(ok: bool) -> bytes:
-    """The server's 8-byte handshake answer."""
-    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_OK if ok else HELLO_BAD_VERSION)
+def hello_reply(ok: bool, status: int | None = None) -> bytes:
+    """The server's 8-byte handshake answer: OK, bad version, or another ``status``."""
+    if status is None:
+        status = HELLO_OK if ok else HELLO_BAD_VERSION
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, status)
+
+
+def challenge(nonce: bytes, proof: bytes) -> bytes:
+    """The answer of a server with a secret: status 2, its nonce and its proof."""
+    if len(nonce) != NONCE_BYTES or len(proof) != PROOF_BYTES:
+        raise ValueError(f"a challenge needs a {NONCE_BYTES}-byte nonce and proof")
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_CHALLENGE) + nonce + proof
+
+
+def auth_result(ok: bool) -> bytes:
+    """The server's verdict on a client's proof."""
+    return _HELLO.pack(MAGIC, PROTOCOL_VERSION, HELLO_OK if ok else HELLO_AUTH_FAILED)
 
 
 def ok(rid: int) -> bytes:
     """An empty OK response."""
     return _HEADER.pack(0, rid, STATUS_OK)
+
+
+def ok_header(rid: int, length: int) -> bytes:
+    """The header of an OK response whose ``length``-byte body the caller sends after it."""
+    return _HEADER.pack(length, rid, STATUS_OK)
 
 
 def ok_value(rid: int, value: bytes) -> bytes:
@@ -358,9 +437,11 @@ def _timeout(body: bytes) -> float:
     if len(body) < 8:
         raise ProtocolError(f"truncated timeout in a {len(body)}-byte body")
     (seconds,) = _F64.unpack_from(body, 0)
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ProtocolError(f"timeout must be finite and >= 0, got {seconds!r}")
-    return float(seconds)
+    # Any float is accepted and clamped (a client's "forever" is not a protocol error):
+    # NaN and negatives mean "do not wait", anything from FOREVER up means no deadline.
+    if math.isnan(seconds) or seconds < 0:
+        return 0.0
+    return min(float(seconds), FOREVER)
 
 
 def _parse_key_value(body: bytes) -> tuple[Any, ...]:
@@ -476,6 +557,12 @@ class ServerConnection:
     Feed received bytes with :meth:`receive_data`, then call :meth:`next_event` until it
     returns None. Memory stays bounded: a frame's length is judged before its body is kept.
 
+    Args:
+        admit: called once per request frame whose body exceeds :data:`ADMIT_THRESHOLD`, as
+            ``admit(rid, op, body_length)`` once its header is in and before its body is kept;
+            a returned reason refuses the frame: its body is skipped as it arrives and
+            :meth:`next_event` returns a :class:`Refused` (the server answers ERROR).
+
     Example:
         >>> conn = ServerConnection()
         >>> conn.receive_data(b"GET / HTTP/1.1\\r\\n")
@@ -485,11 +572,14 @@ class ServerConnection:
         meshcomm.errors.ProtocolError: client sent b'GET ', not the meshcomm store magic b'MCKV'
     """
 
-    __slots__ = ("_buf", "_greeted")
+    __slots__ = ("_admit", "_admitted", "_buf", "_skip", "_stage")
 
-    def __init__(self) -> None:
+    def __init__(self, admit: Callable[[int, int, int], str | None] | None = None) -> None:
         self._buf = bytearray()
-        self._greeted = False
+        self._stage = _HELLO_STAGE
+        self._admit = admit
+        self._admitted = False
+        self._skip = 0
 
     @property
     def buffered(self) -> int:
@@ -498,23 +588,33 @@ class ServerConnection:
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Add bytes received from the client (copied: the caller may reuse ``data``)."""
+        if self._skip:
+            dropped = min(self._skip, len(data))
+            self._skip -= dropped
+            data = memoryview(data)[dropped:]
         self._buf += data
 
-    def next_event(self) -> Hello | Request | None:
+    @property
+    def in_handshake(self) -> bool:
+        """True until the hello (and, when asked for, the proof) has been returned."""
+        return self._stage != _FRAMES_STAGE
+
+    def expect_proof(self) -> None:
+        """After a :class:`Hello`: the next event must be the client's :class:`ClientProof`.
+
+        Until it is in, no request is parsed and at most a proof's bytes are buffered.
+        """
+        self._stage = _PROOF_STAGE
+
+    def next_event(self) -> Hello | ClientProof | Request | Refused | None:
         """Return the next complete event, or None if more bytes are needed.
 
         Raises:
             ProtocolError: the bytes break the protocol; drop the connection.
         """
         buf = self._buf
-        if not self._greeted:
-            _check_magic(buf, "client")
-            if len(buf) < HELLO_SIZE:
-                return None
-            _, version, flags = _HELLO.unpack_from(buf, 0)
-            del buf[:HELLO_SIZE]
-            self._greeted = True
-            return Hello(version, flags)
+        if self._stage != _FRAMES_STAGE:
+            return self._handshake_event()
         if len(buf) < HEADER_SIZE:
             return None
         length, rid, op = _HEADER.unpack_from(buf, 0)
@@ -527,11 +627,52 @@ class ServerConnection:
                 f"{limit} bytes"
             )
         end = HEADER_SIZE + length
+        if length > ADMIT_THRESHOLD and not self._admitted and self._admit is not None:
+            reason = self._admit(rid, op, length)
+            if reason is not None:
+                kept = min(len(buf), end)
+                del buf[:kept]
+                self._skip = end - kept
+                return Refused(rid, op, reason)
+            self._admitted = True
         if len(buf) < end:
             return None
-        body = bytes(buf[HEADER_SIZE:end])
+        self._admitted = False
+        with memoryview(buf) as view:  # one copy of a large body, not two
+            body = bytes(view[HEADER_SIZE:end])
         del buf[:end]
         return Request(rid, op, _PARSERS[op](body))
+
+    def _handshake_event(self) -> Hello | ClientProof | None:
+        buf = self._buf
+        if self._stage == _PROOF_STAGE:
+            # Nothing may follow the proof before the verdict: a request pipelined ahead of
+            # authentication is refused, so an unauthenticated peer can buffer 32 bytes.
+            if len(buf) > PROOF_BYTES:
+                raise ProtocolError(
+                    f"client sent {len(buf)} bytes where a {PROOF_BYTES}-byte proof was expected"
+                )
+            if len(buf) < PROOF_BYTES:
+                return None
+            proof = bytes(buf)
+            buf.clear()
+            self._stage = _FRAMES_STAGE
+            return ClientProof(proof)
+        _check_magic(buf, "client")
+        if len(buf) < HELLO_SIZE:
+            return None
+        _, version, flags = _HELLO.unpack_from(buf, 0)
+        nonce = b""
+        # Another version's hello ends here, whatever its flags: the answer is "bad version".
+        if version == PROTOCOL_VERSION and flags & FLAG_AUTH:
+            if len(buf) < HELLO_SIZE + NONCE_BYTES:
+                return None
+            nonce = bytes(buf[HELLO_SIZE : HELLO_SIZE + NONCE_BYTES])
+            del buf[: HELLO_SIZE + NONCE_BYTES]
+        else:
+            del buf[:HELLO_SIZE]
+        self._stage = _FRAMES_STAGE
+        return Hello(version, flags, nonce)
 
 
 class ClientConnection:
@@ -541,41 +682,65 @@ class ClientConnection:
         >>> conn = ClientConnection()
         >>> conn.receive_data(hello_reply(True) + ok_int(3, 42))
         >>> conn.next_event()
-        HelloReply(version=1, status=0)
+        HelloReply(version=2, status=0, nonce=b'', proof=b'')
         >>> rid, status, body = conn.next_event()
         >>> rid, status, parse_int(body)
         (3, 0, 42)
     """
 
-    __slots__ = ("_buf", "_greeted")
+    __slots__ = ("_buf", "_stage")
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._greeted = False
+        self._stage = _HELLO_STAGE
 
-    def hello(self, flags: int = 0) -> bytes:
-        """The 8-byte handshake this client sends first."""
-        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags)
+    def hello(self, flags: int = 0, nonce: bytes | None = None) -> bytes:
+        """The handshake this client sends first; with ``nonce``, it asks to authenticate."""
+        if nonce is None:
+            return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags & ~FLAG_AUTH)
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError(f"a nonce has {NONCE_BYTES} bytes, got {len(nonce)}")
+        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, flags | FLAG_AUTH) + nonce
+
+    def answer(self, proof: bytes) -> bytes:
+        """The client's proof, sent after a challenge; the server's verdict comes next."""
+        if len(proof) != PROOF_BYTES:
+            raise ValueError(f"a proof has {PROOF_BYTES} bytes, got {len(proof)}")
+        self._stage = _PROOF_STAGE
+        return bytes(proof)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Add bytes received from the server (copied: the caller may reuse ``data``)."""
         self._buf += data
 
-    def next_event(self) -> HelloReply | Response | None:
+    def next_event(self) -> HelloReply | AuthResult | Response | None:
         """Return the next complete event, or None if more bytes are needed.
 
         Raises:
             ProtocolError: the server's bytes break the protocol.
         """
         buf = self._buf
-        if not self._greeted:
+        if self._stage != _FRAMES_STAGE:
             _check_magic(buf, "server")
             if len(buf) < HELLO_SIZE:
                 return None
             _, version, status = _HELLO.unpack_from(buf, 0)
-            del buf[:HELLO_SIZE]
-            self._greeted = True
-            return HelloReply(version, status)
+            if self._stage == _PROOF_STAGE:
+                del buf[:HELLO_SIZE]
+                self._stage = _FRAMES_STAGE
+                return AuthResult(version, status)
+            nonce = proof = b""
+            if version == PROTOCOL_VERSION and status == HELLO_CHALLENGE:
+                end = HELLO_SIZE + NONCE_BYTES + PROOF_BYTES
+                if len(buf) < end:
+                    return None
+                nonce = bytes(buf[HELLO_SIZE : HELLO_SIZE + NONCE_BYTES])
+                proof = bytes(buf[HELLO_SIZE + NONCE_BYTES : end])
+                del buf[:end]
+            else:
+                del buf[:HELLO_SIZE]
+            self._stage = _FRAMES_STAGE
+            return HelloReply(version, status, nonce, proof)
         if len(buf) < HEADER_SIZE:
             return None
         length, rid, status = _HEADER.unpack_from(buf, 0)
