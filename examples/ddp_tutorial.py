@@ -1,4 +1,5 @@
-"""The DDP tutorial of ``shared/seeds/ddp_tutorial.txt``, ported by changing the imports.
+"""PyTorch's "Getting Started with Distributed Data Parallel" tutorial, ported by changing
+the imports.
 
 Run it with ``python examples/ddp_tutorial.py`` (two processes, started by
 :func:`meshcomm.spawn`, the ``torch.multiprocessing.spawn`` stand-in). The three imports

@@ -165,12 +165,14 @@ def bandwidth_table(mesh: DeviceMesh) -> None:
             busbw = algbw * (2 * (n - 1) / n if n > 1 else 1.0)
             if lead:
                 label = "+".join(axis) if isinstance(axis, tuple) else axis
-                print(
-                    f"  {size:>9} {label:>6} {n:>5} {slowest * 1e6:>9.1f} "
-                    f"{algbw:>7.3f} {busbw:>7.3f}"
-                )
+                # Below 64 KiB a psum is all latency: its bandwidth rounds to 0.000.
+                bw = f"{algbw:>7.3f} {busbw:>7.3f}" if size >= 64 << 10 else f"{'-':>7} {'-':>7}"
+                print(f"  {size:>9} {label:>6} {n:>5} {slowest * 1e6:>9.1f} {bw}")
     if lead:
-        print("  (time: slowest rank's mean; algbw, busbw in GB/s with nccl-tests' factors)")
+        print(
+            "  (time: slowest rank's mean; algbw, busbw in GB/s with nccl-tests' factors, "
+            "from 64 KiB)"
+        )
 
 
 def main() -> int:

@@ -40,10 +40,11 @@ from typing import Any
 # importlib.metadata (and the email package under it) and subprocess are imported when
 # info() runs: ``import meshcomm`` imports this module in every rank.
 
-__all__ = ["info"]
+__all__ = ["info", "main"]
 
 _PREFIXES = ("MESHCOMM_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL", "HYDRA_")
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_MPI_PROBE = "import sys; from meshcomm.info import main; sys.exit(main(['--mpi-json']))"
 
 
 def _version(dist: str) -> str | None:
@@ -106,7 +107,8 @@ def _mpi_child(timeout: float) -> dict[str, Any]:
     }
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "meshcomm.info", "--mpi-json"],
+            # Not ``-m meshcomm.info``: the package imports that module first, and runpy warns.
+            [sys.executable, "-c", _MPI_PROBE],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -299,6 +301,16 @@ def _backend_line(name: str, b: dict[str, Any]) -> str:
     return "yes"
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``meshcomm-info``: print :func:`info` (``--json``: as one JSON object).
+
+    Example:
+        >>> main(["--bad"])
+        2
+    """
+    return _main(sys.argv[1:] if argv is None else argv)
+
+
 def _main(argv: list[str]) -> int:
     if argv == ["--mpi-json"]:
         print(json.dumps(_mpi_here()))
@@ -307,7 +319,7 @@ def _main(argv: list[str]) -> int:
         print(json.dumps(info(verbose=False)))
         return 0
     if argv:
-        print("usage: python -m meshcomm.info [--json]", file=sys.stderr)
+        print("usage: meshcomm-info [--json]", file=sys.stderr)
         return 2
     info()
     return 0
