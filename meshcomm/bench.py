@@ -283,18 +283,79 @@ def run_sweep(group: Any, args: argparse.Namespace) -> list[BenchRow]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshcomm-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks to launch (default 2)")
-    p.add_argument("--op", choices=OPS, default="all_reduce")
-    p.add_argument("--backend", default=None, help="tcp (default on CPU), mpi, nccl")
-    p.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("8"))
-    p.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("64M"))
-    p.add_argument("-f", "--step-factor", type=int, default=2)
-    p.add_argument("-d", "--dtype", default="float32")
-    p.add_argument("-o", "--redop", default="sum")
-    p.add_argument("-r", "--root", type=int, default=0)
+    p = argparse.ArgumentParser(
+        prog="meshcomm-bench",
+        description="nccl-tests-style tables for every collective: one row per message size "
+        "(time, algbw, busbw, wrong elements). Run alone, it launches its ranks; inside "
+        "meshrun or mpiexec it uses the world it finds.",
+        epilog="Sizes take K, M, G suffixes (powers of 1024). nccl-tests' long names "
+        "(--minbytes, --maxbytes, --stepfactor, --datatype, --warmup_iters) work too; -n is "
+        "the number of ranks here, not nccl-tests' iteration count (use --iters).",
+    )
+    p.add_argument(
+        "-n", "--nprocs", type=int, default=None, help="ranks to launch when run alone (default 2)"
+    )
+    p.add_argument(
+        "--op",
+        choices=OPS,
+        default="all_reduce",
+        help="the collective to time (default all_reduce)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="tcp (the default on CPU), mpi (launched through mpiexec), nccl",
+    )
+    p.add_argument(
+        "-b",
+        "--min-bytes",
+        "--minbytes",
+        type=parse_size,
+        default=parse_size("8"),
+        help="smallest message size (default 8)",
+    )
+    p.add_argument(
+        "-e",
+        "--max-bytes",
+        "--maxbytes",
+        type=parse_size,
+        default=parse_size("64M"),
+        help="largest message size (default 64M)",
+    )
+    p.add_argument(
+        "-f",
+        "--step-factor",
+        "--stepfactor",
+        type=int,
+        default=2,
+        help="multiply the size by this from one row to the next (default 2)",
+    )
+    p.add_argument(
+        "-d",
+        "--dtype",
+        "--datatype",
+        default="float32",
+        help="element type: float32 (default), float64, float16, bfloat16, int8..int64, ...",
+    )
+    p.add_argument(
+        "-o",
+        "--redop",
+        default="sum",
+        help="reduction of all_reduce, reduce_scatter and reduce: sum (default), prod, min, "
+        "max, avg",
+    )
+    p.add_argument(
+        "-r", "--root", type=int, default=0, help="root rank of broadcast, reduce, gather, scatter"
+    )
     p.add_argument("--iters", type=int, default=0, help="timed iterations (default: by size)")
-    p.add_argument("-w", "--warmup", type=int, default=3)
+    p.add_argument(
+        "-w",
+        "--warmup",
+        "--warmup_iters",
+        type=int,
+        default=3,
+        help="untimed iterations before the timed ones (default 3)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     return p
 

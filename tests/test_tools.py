@@ -1,0 +1,67 @@
+"""The command-line tools as a newcomer meets them: help that explains every flag, no
+warnings of our own, nccl-tests' flag names accepted."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshcomm.bench import _parser
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def test_bench_help_explains_every_flag_in_plain_text() -> None:
+    parser = _parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    text = parser.format_help()
+    assert "``" not in text and ":func:" not in text
+
+
+def test_bench_takes_nccl_tests_names() -> None:
+    ns = _parser().parse_args(
+        ["--minbytes", "1K", "--maxbytes", "1M", "--stepfactor", "4", "--datatype", "float64",
+         "--warmup_iters", "1"]
+    )  # fmt: skip
+    assert (ns.min_bytes, ns.max_bytes, ns.step_factor, ns.dtype, ns.warmup) == (
+        1024,
+        1 << 20,
+        4,
+        "float64",
+        1,
+    )
+
+
+@pytest.mark.skipif(not (BIN / "meshcomm-bench").exists(), reason="meshcomm-bench not installed")
+def test_bench_runs_and_checks_its_results() -> None:
+    out = _run(str(BIN / "meshcomm-bench"), "-n", "2", "-b", "8", "-e", "1K", "-f", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["size"] for r in rows] == [8, 64, 512]
+    assert all(r["wrong"] == 0 for r in rows), rows
+
+
+@pytest.mark.skipif(not (BIN / "meshcomm-info").exists(), reason="meshcomm-info not installed")
+def test_info_prints_no_warnings() -> None:
+    out = _run(str(BIN / "meshcomm-info"))
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert re.match(r"meshcomm \S+ \(python", out.stdout), out.stdout
+    out = _run(str(BIN / "meshcomm-info"), "--json")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "backends" in json.loads(out.stdout)
