@@ -936,6 +936,45 @@ class ProcessGroup:
         fields = {"args": tuple(sorted(chosen))}
         return self._issue("new_group", (body, fields), False)
 
+    def subgroup(self, ranks: Sequence[int], name: str) -> ProcessGroup:
+        """A group over global ``ranks`` (in that order), made by its members alone.
+
+        Unlike :meth:`split` and :meth:`new_group`, no other rank of this group takes part,
+        so a group can be made on first use by the ranks that use it (a mesh's groups are
+        made this way). Every member must call it with the same ranks, in the same order
+        relative to its other ``subgroup`` calls with those ranks.
+
+        Args:
+            ranks: global ranks of this group; this rank must be one of them.
+            name: the new group's name in error messages (the same on every member).
+
+        Raises:
+            InvalidArgument: duplicate ranks, ranks outside this group, or this rank is not
+                one of them.
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator()).subgroup([0], "world/solo").ranks
+            (0,)
+        """
+        c = self._enter("subgroup")
+        chosen = [_lower.int_arg(c.where, r, "rank") for r in ranks]
+        outside = [r for r in chosen if r not in self.ranks]
+        if outside or len(set(chosen)) != len(chosen) or self.ranks[self.rank] not in chosen:
+            raise InvalidArgument(
+                f"{c.where}: subgroup ranks must be distinct members of the group including "
+                f"this rank {self.ranks[self.rank]}; got {chosen} (members: {list(self.ranks)})"
+            )
+        members = [self.ranks.index(r) for r in chosen]
+        comm = self._comm
+
+        def body() -> ProcessGroup:
+            return self._child(comm.sub(members), name)
+
+        # On the engine, after this group's earlier operations; no fingerprint: the other
+        # ranks of this group do not take part.
+        made: ProcessGroup = self._engine.submit(body, f"subgroup on {self._where}", False)
+        return made
+
     def grid_split(self, dims: Sequence[int]) -> list[ProcessGroup] | None:
         """One group per axis of a row-major grid over this group's ranks, in one call.
 

@@ -5,20 +5,21 @@ A :class:`DeviceMesh` is two things kept apart:
 * a **pure grid**: a frozen, read-only array of global ranks plus one name per axis. The
   constructor validates and freezes it and does no I/O; shapes, names, slicing,
   coordinates, ``repr`` and drawings work without communicating.
-* **groups**, made when first needed (or eagerly by :func:`init_device_mesh`): exactly one
-  :meth:`~meshcomm.group.ProcessGroup.split` per mesh axis. For axis ``d`` every rank uses
-  ``color`` = the row-major index of its coordinate with axis ``d`` removed and ``key`` = its
-  coordinate along ``d``, so the new group's rank *is* the axis index. An axis whose group
-  would be the whole world in world order reuses the world group (no split).
+* **groups**, made when first needed (or eagerly by :func:`init_device_mesh`), one per axis
+  and one per tuple of axes used: the ranks of this rank's slice along those axes, ranked
+  row-major over them in the order given, so the new group's rank *is* the axis index. A
+  group is made by its members alone (:meth:`~meshcomm.group.ProcessGroup.subgroup`): ranks
+  of other slices need not take part, so an axis may be used first on only the ranks that
+  use it. An axis whose group would be the whole world in world order reuses the world group.
 
-Splits are collective over the world: **every rank builds the same meshes, in the same
-order**, and the first use of each group happens on every rank (as it does in SPMD code).
-Several meshes over one world, one after another or side by side, are fine under that rule.
+**Every rank builds the same meshes, in the same order** (making a mesh over part of a
+group splits that group, collective over it), and the members of a group make it in the
+same order relative to their other groups with the same members (as SPMD code does).
 
 Meshes made from a mesh (``mesh["tp"]``, ``mesh["tp", "dp"]``, :meth:`DeviceMesh.flatten`)
-share its groups: a slice never splits again. A group over several axes (an ``ops`` call
-with ``axis_name=("dp", "tp")``, :meth:`DeviceMesh.flatten`, ``get_group(("dp", "tp"))``)
-is made by one split the first time that ordered tuple is used, unless it is the world.
+share its groups: a slice never makes a group again. A group over several axes (an ``ops``
+call with ``axis_name=("dp", "tp")``, :meth:`DeviceMesh.flatten`, ``get_group(("dp",
+"tp"))``) is made the first time that ordered tuple is used, unless it is the world.
 
 Example:
     >>> import numpy as np
@@ -190,13 +191,13 @@ class _Root:
                 if members == tuple(base.ranks):
                     group = base  # a mesh over part of the world, whole and in order
                 else:
+                    # Made by its members alone, so that a group may be used first on only
+                    # the ranks that need it (ranks of other slices need not call).
                     others = [a for a in range(self.grid.ndim) if a not in axes]
                     shape = self.grid.shape
                     color = _ravel([coord[a] for a in others], [shape[a] for a in others])
-                    key = _ravel([coord[a] for a in axes], [shape[a] for a in axes])
-                    made = base.split(color, key)
-                    assert made is not None  # color is never None here
-                    group = made
+                    label = ",".join(str(a) for a in axes)
+                    group = base.subgroup(members, f"{base.name}/axes({label}):{color}")
             if tuple(group.ranks) != members:
                 raise CommError(
                     f"rank {me}: the group made for mesh axes {axes} has ranks "

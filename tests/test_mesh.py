@@ -288,15 +288,19 @@ def test_flatten_rules() -> None:
 
 # -- real worlds: 8 ranks over tcp ----------------------------------------------------------
 def _count_splits(group: Any) -> list[Any]:
-    """Wrap ``group.split`` on this instance to record every call."""
+    """Wrap ``group.split`` and ``group.subgroup`` on this instance to record every group
+    made from it."""
     calls: list[Any] = []
-    original = group.split
 
-    def split(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        return original(*args, **kwargs)
+    def counted(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args)
+            return original(*args, **kwargs)
 
-    group.split = split
+        return call
+
+    group.split = counted(group.split)
+    group.subgroup = counted(group.subgroup)
     return calls
 
 
@@ -416,3 +420,27 @@ def test_meshes_on_eight_ranks() -> None:
             assert out["half"] == []
     picture = results[5]["picture"]
     assert "rank 5 at dp=1, tp=1" in picture and "*(4, 5, 6, 7)" in picture
+
+
+def _tuple_axis_used_by_one_slice(group: Any) -> list[Any]:
+    from meshcomm import ops
+
+    mesh = init_device_mesh((2, 2, 2), ("pp", "dp", "tp"))
+    pp = mesh.get_coordinate()[0]
+    got = None
+    if pp == 0:  # the pp=1 slice never uses ("dp", "tp")
+        got = float(ops.psum(np.float64(group.rank), ("dp", "tp"), mesh=mesh))
+        again = float(ops.psum(np.float64(1.0), ("tp", "dp"), mesh=mesh))  # transposed: its own
+        assert again == 4.0
+    # ... and everyone goes on with the axes made at init.
+    total = float(ops.psum(np.float64(group.rank), ("pp",), mesh=mesh))
+    return [got, total]
+
+
+def test_a_tuple_axis_used_first_by_only_some_ranks() -> None:
+    from meshcomm.testing import run_ranks
+
+    results = run_ranks(_tuple_axis_used_by_one_slice, 8, timeout=120)
+    for rank, (got, total) in enumerate(results):
+        assert got == (0 + 1 + 2 + 3 if rank < 4 else None), (rank, got)
+        assert total == rank % 4 + rank % 4 + 4, (rank, total)
