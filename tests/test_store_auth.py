@@ -91,9 +91,14 @@ def test_wrong_secret_fails_fast_and_the_server_serves_on(
     server: StoreServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     started = time.monotonic()
-    with pytest.raises(StoreAuthError, match="secrets differ"):
+    with (
+        caplog.at_level(logging.WARNING, logger="meshcomm.store"),
+        pytest.raises(StoreAuthError, match="secrets differ"),
+    ):
         TCPStore(HOST, server.port, timeout=30, secret="wrong")
     assert time.monotonic() - started < 2.0  # not retried until the timeout
+    # The server logs the attempt: the client left without a proof.
+    assert _wait_until(lambda: "left during authentication" in caplog.text)
     with TCPStore(HOST, server.port, timeout=TIMEOUT, secret=SECRET) as store:
         store.set("still", "serving")
         assert store.get("still") == b"serving"

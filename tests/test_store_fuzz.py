@@ -217,3 +217,28 @@ def test_fuzz_store_server_a_million_frames(
     fuzzed_server: tuple[subprocess.Popen[str], int, str],
 ) -> None:
     _fuzz(fuzzed_server, frames=1_000_000, seconds=240.0, seed=1017)
+
+
+def test_fuzz_leaves_the_accounting_exact() -> None:
+    """After a fuzz in-process, every byte counted against the budget is accounted for."""
+    from meshcomm.store import StoreServer
+
+    secret = new_secret()
+    with StoreServer(HOST, 0, secret=secret, memory_limit="16M") as server:
+        rng = random.Random(5)
+        pool = [_valid(rng) for _ in range(2000)]
+        sent = 0
+        while sent < 30_000:
+            sent += _session(rng, server.port, secret.encode(), pool)
+        deadline = time.monotonic() + 10
+        while server.num_connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.num_connections == 0
+        with TCPStore(HOST, server.port, timeout=10, secret=secret) as good:
+            keys = good.num_keys()
+            assert keys > 0
+        time.sleep(0.1)
+        state = server._state.data
+        stored = sum(len(k) + len(v) + 128 for k, v in state.items())  # 128: per-entry overhead
+        assert server.memory_used == stored, (server.memory_used, stored)
+        assert server.memory_used <= server.memory_limit

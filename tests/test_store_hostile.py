@@ -7,6 +7,7 @@ served afterwards.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -15,11 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
-from meshcomm.errors import StoreError, StoreTimeout
+from meshcomm.errors import InvalidArgument, StoreError, StoreTimeout
 from meshcomm.store import StoreServer, TCPStore, wire
+from meshcomm.store.server import MEMORY_ENV, parse_memory_limit
 
 HOST = "127.0.0.1"
 TIMEOUT = 5.0
@@ -315,3 +318,40 @@ def test_eight_partial_48_mib_sets_stay_in_budget(server_process: tuple[int, int
     assert _wait_until(lambda: _rss_mib(pid) - base < 24, within=5), _rss_mib(pid) - base
     with TCPStore(HOST, port, timeout=30) as store:
         store.set("big", b"b" * (32 * MiB))
+
+
+def test_a_meshrun_job_with_a_thirty_five_day_timeout() -> None:
+    # Issue 17: MESHCOMM_TIMEOUT=3000000 made every meshrun job fail.
+    script = Path(__file__).parent / "scripts" / "launch_secret.py"
+    env = {**os.environ, "MESHCOMM_TIMEOUT": "3000000"}
+    done = subprocess.run(
+        [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", "2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count('"sum": 2.0') == 2, done.stdout
+
+
+def test_memory_limit_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MEMORY_ENV, "2G")
+    with StoreServer(HOST, 0) as server:
+        assert server.memory_limit == 2 * 1024**3
+    assert parse_memory_limit("300 MiB") == 300 * MiB
+    for bad in ("lots", "-5M", "1.5G", 1000, True):
+        with pytest.raises(InvalidArgument, match="memory_limit"):
+            parse_memory_limit(bad)  # type: ignore[arg-type]
+    monkeypatch.setenv(MEMORY_ENV, "tiny")
+    with pytest.raises(InvalidArgument, match=f"{MEMORY_ENV} must be a number of bytes"):
+        StoreServer(HOST, 0)
+    done = subprocess.run(
+        [sys.executable, "-m", "meshcomm.store", "--port", "0", "--memory-limit", "12"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1 and "at least 1048576 bytes" in done.stderr, done.stderr

@@ -258,3 +258,78 @@ def test_unknown_response_status() -> None:
 def test_error_messages_are_bounded() -> None:
     frame = wire.error(3, "x" * 100_000)
     assert len(frame) == wire.HEADER_SIZE + wire.MAX_ERROR_BYTES
+
+
+# --- the authenticated handshake (sans-IO) ----------------------------------------------------
+
+
+@given(
+    st.binary(min_size=32, max_size=32),
+    st.binary(min_size=32, max_size=32),
+    st.binary(min_size=32, max_size=32),
+    st.binary(min_size=32, max_size=32),
+    st.lists(requests(), max_size=4),
+    st.lists(st.integers(0, 10**6)),
+)
+def test_authenticated_handshake_under_any_split(
+    client_nonce: bytes,
+    server_nonce: bytes,
+    server_proof: bytes,
+    client_proof: bytes,
+    reqs: list[tuple[bytes, wire.Request]],
+    cuts: list[int],
+) -> None:
+    client, server = wire.ClientConnection(), wire.ServerConnection()
+    # Client to server: the hello with its nonce, in any pieces.
+    for chunk in _split(client.hello(wire.FLAG_REGISTER, client_nonce), cuts):
+        server.receive_data(chunk)
+    hello = server.next_event()
+    assert hello == wire.Hello(
+        wire.PROTOCOL_VERSION, wire.FLAG_REGISTER | wire.FLAG_AUTH, client_nonce
+    )
+    server.expect_proof()
+    assert server.in_handshake
+    # Server to client: the challenge, then (after the proof) the verdict and responses.
+    for chunk in _split(wire.challenge(server_nonce, server_proof), cuts):
+        client.receive_data(chunk)
+    assert client.next_event() == wire.HelloReply(
+        wire.PROTOCOL_VERSION, wire.HELLO_CHALLENGE, server_nonce, server_proof
+    )
+    # The proof alone (nothing may follow it before the verdict), then requests.
+    events = _events(server, _split(client.answer(client_proof), cuts))
+    assert events == [wire.ClientProof(client_proof)]
+    assert not server.in_handshake
+    frames = b"".join(frame for frame, _ in reqs)
+    assert _events(server, _split(frames, cuts)) == [req for _, req in reqs]
+    client.receive_data(wire.auth_result(True) + wire.ok(1))
+    assert client.next_event() == wire.AuthResult(wire.PROTOCOL_VERSION, wire.HELLO_OK)
+    assert client.next_event() == wire.Response(1, wire.STATUS_OK, b"")
+
+
+def _events(conn: wire.ServerConnection, chunks: list[bytes]) -> list[Any]:
+    events = []
+    for chunk in chunks:
+        conn.receive_data(chunk)
+        while (event := conn.next_event()) is not None:
+            events.append(event)
+    return events
+
+
+def test_bytes_after_the_hello_before_the_proof_are_refused() -> None:
+    server = wire.ServerConnection()
+    nonce = b"n" * 32
+    server.receive_data(wire.ClientConnection().hello(0, nonce))
+    assert server.next_event() == wire.Hello(wire.PROTOCOL_VERSION, wire.FLAG_AUTH, nonce)
+    server.expect_proof()
+    server.receive_data(b"p" * 32 + wire.request(wire.OP_PING, 1, b""))
+    with pytest.raises(ProtocolError, match="where a 32-byte proof was expected"):
+        server.next_event()
+
+
+def test_a_short_nonce_or_proof_is_refused_before_sending() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        wire.ClientConnection().hello(0, b"short")
+    with pytest.raises(ValueError, match="32 bytes"):
+        wire.ClientConnection().answer(b"short")
+    with pytest.raises(ValueError, match="32-byte"):
+        wire.challenge(b"n" * 32, b"short")

@@ -864,6 +864,16 @@ class StoreServer:
             return
         if reason is not None:
             _log.info("store %s: dropping client %s: %s", self.address, conn.peer, reason)
+        elif conn.nonces[1]:
+            # Challenged, and gone before its proof: a client with another secret finds this
+            # server's proof wrong and leaves without giving one (it must not prove itself to
+            # a server it cannot trust).
+            _log.warning(
+                "store %s: %s left during authentication: its secret differs from this "
+                "store's, or it gave up",
+                self.address,
+                conn.peer,
+            )
         self._conns.discard(conn)
         self._ready.discard(conn)
         for waiter in list(conn.parked):

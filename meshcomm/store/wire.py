@@ -554,6 +554,9 @@ def _check_magic(buf: bytearray, side: str) -> None:
 class ServerConnection:
     """The server's view of one connection: a :class:`Hello`, then :class:`Request` events.
 
+    With authentication, the server calls :meth:`expect_proof` after the hello; the next
+    event is then the client's :class:`ClientProof`, and no request is parsed before it.
+
     Feed received bytes with :meth:`receive_data`, then call :meth:`next_event` until it
     returns None. Memory stays bounded: a frame's length is judged before its body is kept.
 
@@ -677,6 +680,9 @@ class ServerConnection:
 
 class ClientConnection:
     """The client's view of one connection: a :class:`HelloReply`, then :class:`Response` s.
+
+    After a challenge, :meth:`answer` makes the proof to send, and the next event is the
+    server's :class:`AuthResult`.
 
     Example:
         >>> conn = ClientConnection()
