@@ -72,12 +72,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _lower, _staging
+from meshcomm import _fingerprint, _lower, _staging, _verdict
 from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
-from meshcomm.errors import CommError, InvalidArgument
+from meshcomm.errors import CommError, CommTimeout, InvalidArgument
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 from meshcomm.work import ProgressEngine, Work
@@ -302,7 +302,13 @@ class ProcessGroup:
                 _fingerprint.check(comm, row, ranks, label)
                 return unchecked()
 
-        return self._engine.submit(body, label, bool(async_op))
+        try:
+            return self._engine.submit(body, label, bool(async_op))
+        except CommTimeout as exc:
+            judged = self._judged(exc, op, seq)
+            if judged is exc:
+                raise
+            raise judged from exc
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
@@ -423,10 +429,30 @@ class ProcessGroup:
             run(x, out)
         except BaseException as exc:
             engine.poison(exc, f"{name} (op #{self._seq}) on {self._where}")
-            raise
+            judged = self._judged(exc, name, self._seq) if isinstance(exc, CommTimeout) else exc
+            if judged is exc:
+                raise
+            raise judged from exc
         finally:
             engine.release()
         return out
+
+    def _judged(self, exc: CommTimeout, op: str, seq: int) -> CommTimeout:
+        """``exc`` with the hang verdict added: which members waited in op ``seq``, and
+        where the others are (:mod:`meshcomm._verdict`); ``exc`` itself without a store."""
+        if self.store is None or self.size == 1:
+            return exc
+        text = _verdict.report(
+            self.store,
+            self.name,
+            self.ranks,
+            self.ranks[self.rank],
+            op,
+            seq,
+            _verdict.call_site(),
+            _verdict.grace_seconds(self.timeout),
+        )
+        return CommTimeout(f"{exc}\n  verdict: {text}") if text else exc
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
