@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -73,6 +74,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshcomm import _fingerprint, _lower, _staging, _verdict
+from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
@@ -302,6 +304,9 @@ class ProcessGroup:
                 _fingerprint.check(comm, row, ranks, label)
                 return unchecked()
 
+        recorder = _trace.active
+        if recorder is not None:
+            body = _traced(recorder, body, self.name, op, seq, fields)
         try:
             return self._engine.submit(body, label, bool(async_op))
         except CommTimeout as exc:
@@ -377,7 +382,9 @@ class ProcessGroup:
         its primitive on flat views; None: no direct path). The pair is remembered only once
         the general path has accepted it, so the direct path skips no argument check.
         """
-        if self._debug or flat is None or type(x) is not np.ndarray or not x.dtype.isnative:
+        if self._debug or _trace.active or flat is None or type(x) is not np.ndarray:
+            return
+        if not x.dtype.isnative:
             return
         rop = _lower.reduce_op(c.where, op, x.dtype)
         if rop in _lower.COMPOSED:
@@ -401,7 +408,7 @@ class ProcessGroup:
         like this. ``args`` (broadcast's root) go to the runner and into the key,
         ``(x.dtype, *args)``; the runner is the communicator's ``<name>_runner(*args)``, else
         ``flat`` (default: the primitive ``<name>``) on flat views."""
-        if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
+        if self._debug or _trace.active or type(x) is not np.ndarray or not x.dtype.isnative:
             return
         key = (x.dtype, *args) if args else x.dtype
         if key not in table and len(table) < _DIRECT_PAIRS:
@@ -1075,6 +1082,29 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _traced(
+    recorder: _trace.Recorder,
+    body: Callable[[], Any],
+    group: str,
+    op: str,
+    seq: int,
+    fields: dict[str, Any],
+) -> Callable[[], Any]:
+    """``body`` timed into ``recorder``: called now, run and finished when it runs."""
+    issued = time.time()
+    dtype, shape = fields.get("dtype"), fields.get("shape")
+    nbytes = int(np.prod(shape)) * dtype.itemsize if dtype is not None and shape is not None else 0
+
+    def timed() -> Any:
+        start = time.time()
+        try:
+            return body()
+        finally:
+            recorder.add(group, op, seq, nbytes, issued, start, time.time())
+
+    return timed
 
 
 def new_group(

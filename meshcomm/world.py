@@ -121,6 +121,9 @@ class World:
                     init_method, world_size, rank, seconds, store, env=env, generation=generation
                 )
             try:
+                from meshcomm import trace
+
+                trace.start(rdzv.rank, rdzv.store)  # MESHCOMM_TRACE: before any group
                 group = _make_group(name, rdzv)
             except BaseException:
                 # The others fail too (the backend is collective): linger only briefly.
@@ -145,6 +148,9 @@ class World:
                 group.close()
             finally:
                 rdzv.close()
+                from meshcomm import trace
+
+                trace.stop()
 
     def is_initialized(self) -> bool:
         """Return True between a successful ``init`` and ``shutdown``."""
