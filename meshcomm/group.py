@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _lower, _staging, _verdict
+from meshcomm import _fingerprint, _ledger, _lower, _staging, _verdict
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
@@ -164,6 +164,7 @@ class ProcessGroup:
         else:
             self._debug = _parent._debug if debug is None else bool(debug)
         self._seq = 0
+        self._book = _ledger.Ledger(_ledger.ledger_length())
         self._children = 0
         # Closing a group closes the groups made from it first (they may share its
         # communicator's resources: the MPI world, the tcp store).
@@ -218,6 +219,20 @@ class ProcessGroup:
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
         return self._closed
+
+    def ledger(self) -> list[dict[str, Any]]:
+        """This rank's last collectives on this group, oldest first (``MESHCOMM_LEDGER``).
+
+        Each record has ``seq``, ``op``, ``dtype``, ``shape``, ``site`` (the caller's
+        ``file:line``), ``state`` ("done", "failed" or "in flight") and ``seconds``.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> _ = g.all_reduce(np.ones(2))
+            >>> [(r["seq"], r["op"], r["state"]) for r in g.ledger()]
+            [(1, 'all_reduce', 'done')]
+        """
+        return self._book.records()
 
     @property
     def seq(self) -> int:
@@ -307,13 +322,21 @@ class ProcessGroup:
         recorder = _trace.active
         if recorder is not None:
             body = _traced(recorder, body, self.name, op, seq, fields)
+        book = self._book
+        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"))
+        if entry is not None and async_op:
+            body = _booked(entry, body)  # it ends on the engine's thread
         try:
-            return self._engine.submit(body, label, bool(async_op))
-        except CommTimeout as exc:
-            judged = self._judged(exc, op, seq)
+            result = self._engine.submit(body, label, bool(async_op))
+        except BaseException as exc:
+            book.end(entry, True)
+            judged = self._judged(exc, op, seq) if isinstance(exc, CommTimeout) else exc
             if judged is exc:
                 raise
             raise judged from exc
+        if not async_op:
+            book.end(entry, False)
+        return result
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
@@ -432,9 +455,13 @@ class ProcessGroup:
         if not engine.claim():
             return None
         self._seq += 1
+        book = self._book
+        entry = book.add(self._seq, name, x.dtype, shape)
         try:
             run(x, out)
+            book.end(entry, False)
         except BaseException as exc:
+            book.end(entry, True)
             engine.poison(exc, f"{name} (op #{self._seq}) on {self._where}")
             judged = self._judged(exc, name, self._seq) if isinstance(exc, CommTimeout) else exc
             if judged is exc:
@@ -1082,6 +1109,21 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _booked(entry: _ledger.Entry, body: Callable[[], Any]) -> Callable[[], Any]:
+    """``body`` that marks its ledger ``entry`` ended when it ends (async operations)."""
+
+    def booked() -> Any:
+        try:
+            result = body()
+        except BaseException:
+            _ledger.Ledger.end(entry, True)
+            raise
+        _ledger.Ledger.end(entry, False)
+        return result
+
+    return booked
 
 
 def _traced(

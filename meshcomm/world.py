@@ -130,6 +130,9 @@ class World:
                 rdzv.close(wait=_FAILED_INIT_LINGER)
                 raise
             self._group, self._rendezvous = group, rdzv
+            from meshcomm import _report
+
+            _report.install(group)  # kill -USR1 <pid>: this rank's last collectives, stacks
             return group
 
     def shutdown(self) -> None:
@@ -148,9 +151,10 @@ class World:
                 group.close()
             finally:
                 rdzv.close()
-                from meshcomm import trace
+                from meshcomm import _report, trace
 
                 trace.stop()
+                _report.uninstall()
 
     def is_initialized(self) -> bool:
         """Return True between a successful ``init`` and ``shutdown``."""
