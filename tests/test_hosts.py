@@ -85,3 +85,38 @@ def test_a_host_cut_off_is_named_by_the_others() -> None:
         assert row["error"] is not None
         assert "ranks [2, 3] never reached it" in row["error"] or row["rank_named"] in (2, 3), row
     assert took < 3.0 + 2.0 + 10.0, took  # the timeout, the verdict's grace, meshrun's stop
+
+
+def test_every_collective_across_two_hosts() -> None:
+    with Hosts(2) as hosts:
+        nodes = [_node(hosts, k, "conformance", timeout=30.0) for k in range(2)]
+        outs = [p.communicate(timeout=200) for p in nodes]
+    rows = {**_results(outs[0][0]), **_results(outs[1][0])}
+    assert sorted(rows) == [0, 1, 2, 3], outs
+    assert all(row["failures"] == [] for row in rows.values()), rows
+
+
+def test_uneven_hosts_two_ranks_and_one() -> None:
+    """Ranks started by hand with torchrun's variables: 2 on one host, 1 on the other."""
+    with Hosts(2) as hosts:
+        procs = []
+        for rank, host in ((0, 0), (1, 0), (2, 1)):
+            env = dict(os.environ)
+            env.update(
+                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+                MESHCOMM_SECRET=SECRET,
+                MESHCOMM_TIMEOUT="30",
+                RANK=str(rank),
+                WORLD_SIZE="3",
+                LOCAL_RANK=str(rank if host == 0 else 0),
+                LOCAL_WORLD_SIZE="2" if host == 0 else "1",
+                MASTER_ADDR=hosts.addresses[0],
+                MASTER_PORT=str(PORT),
+            )
+            procs.append(hosts.run(host, [sys.executable, str(SCRIPT), "conformance"], env))
+        outs = [p.communicate(timeout=200) for p in procs]
+    rows: dict[int, dict[str, Any]] = {}
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+        rows.update(_results(out))
+    assert sorted(rows) == [0, 1, 2] and all(r["failures"] == [] for r in rows.values()), rows

@@ -1,6 +1,7 @@
 """Ranks on simulated hosts (tests/test_hosts.py): one JSON line per rank on stdout.
 
-``check``: psum along each axis of a (hosts, ranks per host) mesh, the host names seen, and
+``conformance``: meshcomm's conformance suite (every collective against numpy) on the
+world. ``check``: psum along each axis of a (hosts, ranks per host) mesh, the host names seen, and
 each peer's channel (shm on the same host, tcp across). ``loop``: psums until one fails,
 then the error.
 """
@@ -20,6 +21,13 @@ from meshcomm.errors import CommError
 
 def main(mode: str) -> None:
     world = meshcomm.init()
+    if mode == "conformance":
+        from meshcomm.testing import run_conformance
+
+        failures = run_conformance(world, quick=True)
+        print("RESULT " + json.dumps({"rank": world.rank, "failures": failures}), flush=True)
+        meshcomm.shutdown()
+        return
     n_local = int(os.environ["LOCAL_WORLD_SIZE"])
     mesh = meshcomm.init_device_mesh((world.size // n_local, n_local), ("host", "local"))
     out: dict = {"rank": world.rank, "hostname": socket.gethostname()}
