@@ -25,10 +25,12 @@ pytestmark = [
 ]
 
 
-def _node(hosts: Hosts, node: int, mode: str, timeout: float = 5.0) -> subprocess.Popen[str]:
+def _node(
+    hosts: Hosts, node: int, mode: str, timeout: float = 5.0, nproc: int = 2
+) -> subprocess.Popen[str]:
     argv = [
         sys.executable, "-m", "meshcomm.run", "--nnodes", "2", "--node-rank", str(node),
-        "--nproc-per-node", "2", "--master-addr", hosts.addresses[0],
+        "--nproc-per-node", str(nproc), "--master-addr", hosts.addresses[0],
         "--master-port", str(PORT), str(SCRIPT), mode,
     ]  # fmt: skip
     env = dict(os.environ)
@@ -120,3 +122,16 @@ def test_uneven_hosts_two_ranks_and_one() -> None:
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
         rows.update(_results(out))
     assert sorted(rows) == [0, 1, 2] and all(r["failures"] == [] for r in rows.values()), rows
+
+
+def test_nodes_that_disagree_on_ranks_per_node_fail_fast() -> None:
+    with Hosts(2) as hosts:
+        started = time.monotonic()
+        nodes = [_node(hosts, 0, "check", timeout=30.0), _node(hosts, 1, "check", 30.0, 1)]
+        outs = [p.communicate(timeout=120) for p in nodes]
+        took = time.monotonic() - started
+    assert all(p.returncode != 0 for p in nodes), outs
+    text = outs[0][0] + outs[0][1] + outs[1][0] + outs[1][1]
+    assert "disagree on the world size" in text, text[-3000:]
+    assert "2 vs 1 ranks per node" in text or "1 vs 2 ranks per node" in text, text[-3000:]
+    assert took < 25, took  # well before the 30 s timeout
