@@ -17,7 +17,9 @@ just before the fence changes that; the syntax is in docs/index.md ("Code blocks
     <!-- doctest: run -->                        a bash block that runs
     <!-- doctest: ranks=8
     import numpy as np                           lines after the first: hidden setup code,
-    -->                                          run before the block (python only)
+    # after the block:                           run before the block, and after this
+    assert z.tolist() == [14.0] * 3              line hidden checks run after it, e.g. of
+    -->                                          the values its comments claim (python only)
 
 Fences with any other language, or none (diagrams, printed output), are text.
 """
@@ -47,6 +49,7 @@ FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,})(?P<lang>[\w+-]*)\s*$")
 DIRECTIVE_START = re.compile(r"^\s*<!--\s*doctest:(?P<rest>.*)$")
 # init_device_mesh((2, 4), ...) or init_device_mesh(mesh_shape=(8,)): the world the block needs.
 MESH_SHAPE = re.compile(r"init_device_mesh\(\s*(?:mesh_shape=)?\(([\d,\s]+)\)")
+AFTER = "# after the block:"
 # Seconds per run of a block: a mesh of 8 ranks starts in well under a second here; the slowest
 # blocks import torch or jax in every rank (several seconds each on 2 busy cores).
 DEFAULT_TIMEOUT = 90.0
@@ -66,6 +69,7 @@ class Directive:
     file: str | None = None
     run: bool = False
     setup: str = ""
+    after: str = ""
 
 
 @dataclass
@@ -87,8 +91,11 @@ class Block:
 def parse_directive(text: str, where: str) -> Directive:
     """Parse ``<!-- doctest: ... -->`` (``text`` is what lies between ``doctest:`` and
     ``-->``); a mistake raises ValueError naming ``where``, so a typo cannot silently skip."""
-    first, _, setup = text.partition("\n")
-    d = Directive(setup=setup.strip("\n"))
+    first, _, hidden = text.partition("\n")
+    setup, marker, after = f"\n{hidden}".partition(f"\n{AFTER}\n")
+    if not marker and hidden.rstrip().endswith(AFTER):
+        raise ValueError(f"{where}: nothing after {AFTER!r}")
+    d = Directive(setup=setup.strip("\n"), after=after.strip("\n"))
     skip = re.search(r"\bskip\s*\(([^)]*)\)", first)
     if skip:
         if not skip.group(1).strip():
@@ -191,12 +198,14 @@ def _params() -> list[object]:
 
 
 def program(block: Block) -> str:
-    """The program a python block runs: setup, code, then each chained block's."""
+    """The program a python block runs: setup, code and checks, then each chained block's."""
     parts = []
     for b in [block, *block.chained]:
         if b.directive.setup:
             parts.append(f"# doctest setup ({b.where})\n{b.directive.setup}\n")
         parts.append(b.code)
+        if b.directive.after:
+            parts.append(f"# doctest checks ({b.where})\n{b.directive.after}\n")
     return "\n".join(parts)
 
 
@@ -328,6 +337,10 @@ def test_directives_setup_and_chains(tmp_path: Path) -> None:
     assert (d.ranks, d.rounds, d.timeout, d.free_port, d.file) == (2, 3, 5.0, "P", "a.py")
     assert [b.line for b in head.chained] == [12] and head.where.endswith("page.md:4+12")
     assert program(head).split("\n")[1:] == ["x = 1", "", "y = x", "", "print(y)", ""]
+    after = parse_directive(" ranks=2\nimport a\n# after the block:\nassert b\n", "w")
+    assert (after.setup, after.after) == ("import a", "assert b")
+    only = parse_directive(" continue\n# after the block:\nassert b", "w")
+    assert (only.setup, only.after, only.cont) == ("", "assert b", True)
     assert (bash.lang, bash.code, bash.directive.run) == ("bash", "echo indented\n", False)
     assert ranks_of(Block(head.page, 1, "python", "init_device_mesh((2, -1, 4))", Directive())) == 1
     code = "m = init_device_mesh(mesh_shape=(2, 4), mesh_dim_names=('a', 'b'))"
