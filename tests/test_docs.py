@@ -30,6 +30,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -257,16 +258,21 @@ def write_named_files(block: Block, where: Path) -> None:
 
 def check_output(block: Block, argv: list[str], cwd: Path, env: dict[str, str]) -> None:
     d = block.directive
+    # A session of its own, so that a block that hangs takes its launcher, mpiexec and every
+    # rank with it when the timeout kills the group.
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
-        out = subprocess.run(
-            argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=d.timeout,
-            check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
+        stdout, stderr = proc.communicate(timeout=d.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
         pytest.fail(f"{block.where} did not finish in {d.timeout:g} s: {shlex.join(argv)}\n"
-                    f"{exc.stdout!r}\n{exc.stderr!r}")  # fmt: skip
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, f"{block.where} exited {out.returncode}:\n{text}"
+                    f"{stdout}\n{stderr}")  # fmt: skip
+    text = stdout + stderr
+    assert proc.returncode == 0, f"{block.where} exited {proc.returncode}:\n{text}"
     # A doc example that prints a warning teaches the reader to ignore warnings.
     warnings = [line for line in text.splitlines() if "Warning" in line]
     assert not warnings, f"{block.where} printed warnings:\n" + "\n".join(warnings)
