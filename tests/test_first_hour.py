@@ -5,7 +5,7 @@ A newcomer clones the repository and types ``make demo``: the Makefile makes ``.
 the machine is configured with, and runs the tour on 8 ranks. Anything that prints a warning
 on that path (setuptools about pyproject.toml or the editable install, a DeprecationWarning or
 RuntimeWarning from our import or the tour) fails here, as does a tour that does not end
-with "all checks passed".
+with "all checks passed", or a clone left with files git does not ignore.
 
 The clone is of the checkout's committed HEAD: uncommitted edits are not in it, as they are
 not in a newcomer's clone.
@@ -113,4 +113,10 @@ def test_make_demo_from_a_fresh_clone(tmp_path: Path) -> None:
     assert not warnings, "make demo printed warnings of ours:\n" + "\n".join(warnings)
     last = [line for line in stdout.splitlines() if line.strip()][-1]
     assert last.endswith("all checks passed"), f"the demo ended with {last!r}:\n{text}"
+    # What the demo built (.venv, egg-info) is ignored: the newcomer's clone stays clean.
+    status = subprocess.run(
+        [git, "status", "--porcelain"], cwd=clone, env=env, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    assert status.stdout == "", f"make demo left files git does not ignore:\n{status.stdout}"
     print(f"make demo from a fresh clone: {seconds:.1f} s")
