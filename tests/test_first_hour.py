@@ -45,7 +45,7 @@ def _newcomer_environment() -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "MAKEFLAGS", "MFLAGS"}
+        if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"}
         and not k.startswith(("MESHCOMM_", "PYTEST_"))
         and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     }
