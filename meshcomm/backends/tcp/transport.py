@@ -118,6 +118,8 @@ _MIXED_MIN, _MIXED_MAX = 0.0001, 0.002
 # ... and with only socket operations pending (the rings are drained for others' sake).
 _MIXED_IDLE = 0.01
 _ABORT_RANK = re.compile(r"rank (\d+)")
+_GOODBYE = "closed its communicator"
+_NO_GOODBYE = "its connection closed (EOF) without a goodbye"
 
 
 def channel_kind(same_host: bool) -> str:
@@ -732,18 +734,20 @@ class Transport(BoardEngine):
         # operation is only an error if this rank still needs it, now or later.
         waits = self._waits_on(peer)
         self._drop(ch)
-        self._gone[peer] = (
-            "closed its communicator"
-            if ch.goodbye
-            else "died: its connection closed (EOF) without a goodbye"
-        )
+        self._gone[peer] = _GOODBYE if ch.goodbye else _NO_GOODBYE
         if waits:
             raise self._gone_error(peer, "wait for")
 
     def _gone_error(self, peer: int, action: str) -> PeerError:
-        reason = f"rank {peer} {self._gone[peer]} (seen by rank {self.rank})"
-        self._publish_abort(reason)
-        return PeerError(f"rank {self.rank}: cannot {action} rank {peer}: {reason}", peer)
+        how = self._gone[peer]
+        if how is _GOODBYE:
+            # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
+            reason = f"rank {peer} {how} (seen by rank {self.rank})"
+            self._publish_abort(reason)
+            blamed = peer
+        else:
+            reason, blamed = self._blame(peer, how)
+        return PeerError(f"rank {self.rank}: cannot {action} rank {peer}: {reason}", blamed)
 
     def _waits_on(self, peer: int) -> bool:
         sp = self._shm.get(peer)
@@ -757,14 +761,45 @@ class Transport(BoardEngine):
         """Drop the broken channel of a known peer; publish and return the error to raise."""
         peer = ch.peer
         self._drop(ch)
-        reason = f"rank {peer} died: {exc} (connection to {ch.address}, seen by rank {self.rank})"
-        self._publish_abort(reason)
-        return PeerError(f"rank {self.rank}: peer {reason}", peer)
+        reason, blamed = self._blame(peer, str(exc), f"connection to {ch.address}, ")
+        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def _peer_died(self, peer: int, how: str) -> PeerError:
+        """The error for a same-host peer whose process is gone (``how`` says how we saw it)."""
+        reason, blamed = self._blame(peer, how)
+        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def _blame(self, peer: int, how: str, where: str = "") -> tuple[str, int]:
+        """Say who failed when ``peer`` went away without a goodbye, and publish it if first.
+
+        A rank that fails publishes its abort record before it closes its channels (the
+        record is written, and the store has answered, before the error is raised), so a
+        record already in the store that names another rank is the failure ``peer`` left
+        after: ``peer`` is a survivor, and the report names the rank that really failed.
+
+        Returns:
+            The reason to report and the global rank to blame.
+        """
+        seen = f"{where}seen by rank {self.rank}"
+        reason = f"rank {peer} died: {how} ({seen})"
+        record = self._swap_abort(reason)
+        first = _record_rank(record, self.size) if record is not None else None
+        if first is None or first in (peer, self.rank):
+            return reason, peer
+        return f"{record}; rank {peer} left after that failure ({how}, {seen})", first
 
     def _publish_abort(self, record: str) -> None:
-        # First record wins; the store may be gone with its host, which must not mask the error.
-        with contextlib.suppress(MeshCommError, OSError):
-            self._store.compare_set(ABORT_KEY, b"", record.encode())
+        self._swap_abort(record)
+
+    def _swap_abort(self, record: str) -> str | None:
+        """Publish ``record`` unless a record exists; return the one in the store (None: the
+        store did not answer)."""
+        # The store may be gone with its host, which must not mask the error.
+        try:
+            current = self._store.compare_set(ABORT_KEY, b"", record.encode())
+        except (MeshCommError, OSError):
+            return None
+        return bytes(current).decode(errors="replace")
 
     def _check_abort(self) -> None:
         try:
@@ -773,9 +808,15 @@ class Transport(BoardEngine):
             record = self._store.get(ABORT_KEY).decode(errors="replace")
         except (StoreError, OSError):
             return  # an unreachable store is not a verdict; the timeout still bounds us
-        match = _ABORT_RANK.search(record)
-        dead = int(match.group(1)) if match else None
+        dead = _record_rank(record, self.size)
         raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", dead)
+
+
+def _record_rank(record: str, size: int) -> int | None:
+    """The rank an abort record blames: the first one it names (None: none in the world)."""
+    match = _ABORT_RANK.search(record)
+    rank = int(match.group(1)) if match else None
+    return rank if rank is not None and rank < size else None
 
 
 def _replay(exc: CommError) -> CommError:
