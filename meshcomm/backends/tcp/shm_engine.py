@@ -171,6 +171,9 @@ class ShmEngine(Connections):
     def _peer_died(self, peer: int, how: str) -> PeerError:
         raise NotImplementedError
 
+    def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
+        raise NotImplementedError
+
     def _break(self, exc: CommError) -> None:
         raise NotImplementedError
 
@@ -229,7 +232,8 @@ class ShmEngine(Connections):
                 if exc.errno == errno.ESRCH:
                     error = self._peer_died(peer, "its process is gone")
                 else:
-                    error = ProtocolError(
+                    how = f"cannot {what} {nbytes} bytes of it at {remote:#x}: {exc}"
+                    error = self._left_after_failure(peer, how) or ProtocolError(
                         f"rank {self.rank}: cannot {what} {nbytes} bytes of rank {peer} at "
                         f"{remote:#x}: {exc}"
                     )
@@ -385,7 +389,8 @@ class ShmEngine(Connections):
         except OSError as exc:
             if exc.errno == errno.ESRCH:
                 raise self._peer_died(sp.peer, "its process is gone") from None
-            raise ProtocolError(
+            how = f"cannot read {h.length} bytes of it at {h.address:#x}: {exc}"
+            raise self._left_after_failure(sp.peer, how) or ProtocolError(
                 f"rank {self.rank}: cannot read {h.length} bytes of rank {sp.peer} at "
                 f"{h.address:#x}: {exc}"
             ) from None

@@ -782,10 +782,27 @@ class Transport(BoardEngine):
         """
         seen = f"{where}seen by rank {self.rank}"
         reason = f"rank {peer} died: {how} ({seen})"
-        record = self._swap_abort(reason)
+        return self._after(self._swap_abort(reason), peer, how, seen) or (reason, peer)
+
+    def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
+        """The error for a same-host peer whose buffer went away under a copy, if it failed or
+        left after a failure the abort record names (it stopped waiting for us and freed
+        the buffer); None without a record (the ranks disagree: a protocol error)."""
+        record = self._read_abort()
+        if record is None:
+            return None
+        seen = f"seen by rank {self.rank}"
+        if _record_rank(record, self.size) == peer:
+            return PeerError(f"rank {self.rank}: peer {record} (then: {how}, {seen})", peer)
+        found = self._after(record, peer, how, seen)
+        return PeerError(f"rank {self.rank}: {found[0]}", found[1]) if found else None
+
+    def _after(self, record: str | None, peer: int, how: str, seen: str) -> tuple[str, int] | None:
+        """When ``record`` names a failure of another rank than ``peer`` and this one: the
+        report that ``peer`` left after it, and that rank."""
         first = _record_rank(record, self.size) if record is not None else None
         if first is None or first in (peer, self.rank):
-            return reason, peer
+            return None
         return f"{record}; rank {peer} left after that failure ({how}, {seen})", first
 
     def _publish_abort(self, record: str) -> None:
@@ -801,13 +818,18 @@ class Transport(BoardEngine):
             return None
         return bytes(current).decode(errors="replace")
 
-    def _check_abort(self) -> None:
+    def _read_abort(self) -> str | None:
         try:
             if not self._store.check([ABORT_KEY]):
-                return
-            record = self._store.get(ABORT_KEY).decode(errors="replace")
+                return None
+            return bytes(self._store.get(ABORT_KEY)).decode(errors="replace")
         except (StoreError, OSError):
-            return  # an unreachable store is not a verdict; the timeout still bounds us
+            return None  # an unreachable store is not a verdict; the timeout still bounds us
+
+    def _check_abort(self) -> None:
+        record = self._read_abort()
+        if record is None:
+            return
         dead = _record_rank(record, self.size)
         raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", dead)
 
