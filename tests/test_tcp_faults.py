@@ -320,3 +320,15 @@ def test_sigkill_mid_64mib_all_reduce_names_the_victim(transport: str) -> None:
 def test_sigkill_mid_64mib_all_reduce_names_the_victim_10_runs(transport: str) -> None:
     """Issue 17: 4 of 30 survivor reports blamed a survivor that had left after its error."""
     _kill_mid_64mib(10)
+
+
+def test_survivors_that_time_out_and_leave_are_not_called_dead(transport: str) -> None:
+    reports, _ = run_fault("ring_until_failure", 4, 3, "stop", linger=False)
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
+        message = report["message"]
+        assert report["type"] in ("CommTimeout", "PeerError"), (rank, report)
+        assert "died" not in message, (rank, report)
+        if report["type"] == "PeerError":  # it saw another survivor leave first
+            assert "left after its own error (CommTimeout" in message, (rank, report)
+        check_fail_fast(report)

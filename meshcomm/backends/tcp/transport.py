@@ -95,6 +95,7 @@ from meshcomm.store.base import Store
 __all__ = [
     "ABORT_KEY",
     "ANY_SOURCE",
+    "LEFT_KEY",
     "LINK_TAG",
     "TOKEN_KEY",
     "ShmPeer",
@@ -107,6 +108,8 @@ __all__ = [
 
 TOKEN_KEY = "meshcomm/tcp/token"
 ABORT_KEY = "meshcomm/tcp/abort"
+#: + the rank: why a rank gave up (its first error), written before it can leave.
+LEFT_KEY = "meshcomm/tcp/left/"
 
 _ABORT_CHECK_INTERVAL = 1.0
 # Payloads up to this size are copied behind their header and sent as one buffer.
@@ -120,6 +123,7 @@ _MIXED_IDLE = 0.01
 _ABORT_RANK = re.compile(r"rank (\d+)")
 _GOODBYE = "closed its communicator"
 _NO_GOODBYE = "its connection closed (EOF) without a goodbye"
+_NOTE_MAX = 1000
 
 
 def channel_kind(same_host: bool) -> str:
@@ -541,6 +545,7 @@ class Transport(BoardEngine):
         return "still waiting: " + ", ".join(parts[:8]) + note
 
     def _break(self, exc: CommError) -> None:
+        first = self._failure is None
         self._failure = exc
         self._posted.clear()
         self._posted_any.clear()
@@ -548,6 +553,8 @@ class Transport(BoardEngine):
         for sp in self._shm_list:
             sp.rts.clear()
         self._npending = 0
+        if first:
+            self._note_leaving(exc)
 
     # -- sending -------------------------------------------------------------------------------
     def _post_send(self, s: Send) -> None:
@@ -781,8 +788,21 @@ class Transport(BoardEngine):
             The reason to report and the global rank to blame.
         """
         seen = f"{where}seen by rank {self.rank}"
+        why = self._read_key(LEFT_KEY + str(peer))
+        if why is not None:
+            # It failed and left: not a death, and (as for timeouts) no abort record; a
+            # failure the abort record names came first and is the one to blame.
+            reason = f"rank {peer} left after its own error ({why}; {seen})"
+            return self._after(self._read_abort(), peer, how, seen) or (reason, peer)
         reason = f"rank {peer} died: {how} ({seen})"
         return self._after(self._swap_abort(reason), peer, how, seen) or (reason, peer)
+
+    def _note_leaving(self, exc: CommError) -> None:
+        """Say in the store why this rank is giving up, before it can close its channels, so
+        that a peer that sees it go does not take it for dead."""
+        note = f"{type(exc).__name__}: {exc}"[:_NOTE_MAX]
+        with contextlib.suppress(MeshCommError, OSError):
+            self._store.set(LEFT_KEY + str(self.rank), note)
 
     def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
         """The error for a same-host peer whose buffer went away under a copy, if it failed or
@@ -819,10 +839,13 @@ class Transport(BoardEngine):
         return bytes(current).decode(errors="replace")
 
     def _read_abort(self) -> str | None:
+        return self._read_key(ABORT_KEY)
+
+    def _read_key(self, key: str) -> str | None:
         try:
-            if not self._store.check([ABORT_KEY]):
+            if not self._store.check([key]):
                 return None
-            return bytes(self._store.get(ABORT_KEY)).decode(errors="replace")
+            return bytes(self._store.get(key)).decode(errors="replace")
         except (StoreError, OSError):
             return None  # an unreachable store is not a verdict; the timeout still bounds us
 
