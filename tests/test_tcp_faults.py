@@ -332,3 +332,45 @@ def test_survivors_that_time_out_and_leave_are_not_called_dead(transport: str) -
         if report["type"] == "PeerError":  # it saw another survivor leave first
             assert "left after its own error (CommTimeout" in message, (rank, report)
         check_fail_fast(report)
+
+
+def _store_host_child(rank: int, size: int, ports: Any, out: Any) -> None:
+    """Rank 0 hosts the store (as under a launcher that makes rank 0 the master) and dies."""
+    if rank == 0:
+        store = TCPStore("127.0.0.1", 0, is_master=True, timeout=30)
+        ports.put(store.port)
+        ports.put(store.port)
+    else:
+        store = TCPStore("127.0.0.1", ports.get(timeout=30), timeout=30)
+    comm = TcpCommunicator.create_world(rank, size, store, TIMEOUT)
+    try:
+        out.put((rank, "ok", ring_until_failure(comm, store, 0, "kill")))
+    except BaseException as exc:
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    comm.close()
+
+
+def test_the_store_dying_with_a_rank_does_not_delay_the_report(transport: str) -> None:
+    # Every store operation after the first failed one could wait out the store's 30 s
+    # trying to reconnect: survivors must still report within the transport's bounds.
+    ctx = multiprocessing.get_context("spawn")
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_store_host_child, args=(r, 3, ports, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        reports = {}
+        for _ in range(2):
+            rank, status, value = out.get(timeout=60)
+            assert status == "ok", f"rank {rank}: {value}"
+            reports[rank] = value
+    finally:
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+    assert sorted(reports) == [1, 2]
+    for rank, report in reports.items():
+        assert (report["type"], report["rank"]) == ("PeerError", 0), (rank, report)
+        assert report["elapsed"] <= TIMEOUT + SLACK, (rank, report)
+        check_fail_fast(report)

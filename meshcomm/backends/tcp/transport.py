@@ -42,7 +42,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -124,6 +125,7 @@ _ABORT_RANK = re.compile(r"rank (\d+)")
 _GOODBYE = "closed its communicator"
 _NO_GOODBYE = "its connection closed (EOF) without a goodbye"
 _NOTE_MAX = 1000
+_T = TypeVar("_T")
 
 
 def channel_kind(same_host: bool) -> str:
@@ -725,6 +727,9 @@ class Transport(BoardEngine):
                 )
 
     # -- faults --------------------------------------------------------------------------------
+    #: A store operation of the failure path failed (see _store_op).
+    _store_lost = False
+
     def _eof(self, ch: Channel) -> None:
         peer = ch.peer
         if ch.state is _ACCEPTING:
@@ -788,21 +793,27 @@ class Transport(BoardEngine):
             The reason to report and the global rank to blame.
         """
         seen = f"{where}seen by rank {self.rank}"
-        why = self._read_key(LEFT_KEY + str(peer))
+        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
         if why is not None:
             # It failed and left: not a death, and (as for timeouts) no abort record; a
             # failure the abort record names came first and is the one to blame.
             reason = f"rank {peer} left after its own error ({why}; {seen})"
             return self._after(self._read_abort(), peer, how, seen) or (reason, peer)
         reason = f"rank {peer} died: {how} ({seen})"
-        return self._after(self._swap_abort(reason), peer, how, seen) or (reason, peer)
+        record = self._swap_abort(reason)
+        if record is None:
+            # No store (it may have died with its host): a death this rank saw itself earlier
+            # stands in for the abort record.
+            earlier = [g for g, why in self._gone.items() if why is _NO_GOODBYE and g != peer]
+            if earlier:
+                record = f"rank {earlier[0]} died: {_NO_GOODBYE} (seen by rank {self.rank} earlier)"
+        return self._after(record, peer, how, seen) or (reason, peer)
 
     def _note_leaving(self, exc: CommError) -> None:
         """Say in the store why this rank is giving up, before it can close its channels, so
         that a peer that sees it go does not take it for dead."""
         note = f"{type(exc).__name__}: {exc}"[:_NOTE_MAX]
-        with contextlib.suppress(MeshCommError, OSError):
-            self._store.set(LEFT_KEY + str(self.rank), note)
+        self._store_op(lambda: self._store.set(LEFT_KEY + str(self.rank), note))
 
     def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
         """The error for a same-host peer whose buffer went away under a copy, if it failed or
@@ -831,26 +842,39 @@ class Transport(BoardEngine):
     def _swap_abort(self, record: str) -> str | None:
         """Publish ``record`` unless a record exists; return the one in the store (None: the
         store did not answer)."""
-        # The store may be gone with its host, which must not mask the error.
-        try:
-            current = self._store.compare_set(ABORT_KEY, b"", record.encode())
-        except (MeshCommError, OSError):
-            return None
-        return bytes(current).decode(errors="replace")
+        current = self._store_op(lambda: self._store.compare_set(ABORT_KEY, b"", record.encode()))
+        return None if current is None else bytes(current).decode(errors="replace")
 
     def _read_abort(self) -> str | None:
-        return self._read_key(ABORT_KEY)
+        return self._store_op(lambda: self._read_key(ABORT_KEY))
+
+    def _store_op(self, op: Callable[[], _T]) -> _T | None:
+        """Run a store operation of the failure path; None if the store did not answer.
+
+        The store may be gone with its host, which must not mask the error; after one failed
+        operation the others are skipped: each could spend the store's whole timeout trying
+        to reconnect.
+        """
+        if self._store_lost:
+            return None
+        try:
+            return op()
+        except (MeshCommError, OSError):
+            self._store_lost = True
+            return None
 
     def _read_key(self, key: str) -> str | None:
-        try:
-            if not self._store.check([key]):
-                return None
-            return bytes(self._store.get(key)).decode(errors="replace")
-        except (StoreError, OSError):
-            return None  # an unreachable store is not a verdict; the timeout still bounds us
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key)).decode(errors="replace")
 
     def _check_abort(self) -> None:
-        record = self._read_abort()
+        try:
+            record = self._read_key(ABORT_KEY)
+        except (StoreError, OSError):
+            return  # an unreachable store is not a verdict; the timeout still bounds us
+        if record is None:
+            return
         if record is None:
             return
         dead = _record_rank(record, self.size)
