@@ -28,7 +28,9 @@ naming that peer (after draining its ring, if any), and the detecting rank write
 record (``meshcomm/tcp/abort``) to the store; every rank blocked in the engine checks that
 key about once a second, so ranks with no connection to the dead one fail too. No progress
 for the timeout raises :class:`~meshcomm.errors.CommTimeout`. After either, the transport is
-broken and every call fails fast with the original reason.
+broken and every call fails fast with the original reason. A failing rank writes its record
+and a note of why it gives up before it raises, so a peer that sees it leave names the first
+failure instead of calling it dead (``Transport._blame``).
 """
 
 from __future__ import annotations
@@ -784,10 +786,13 @@ class Transport(BoardEngine):
     def _blame(self, peer: int, how: str, where: str = "") -> tuple[str, int]:
         """Say who failed when ``peer`` went away without a goodbye, and publish it if first.
 
-        A rank that fails publishes its abort record before it closes its channels (the
-        record is written, and the store has answered, before the error is raised), so a
+        A rank that fails publishes its abort record (or finds one) and notes why it gives
+        up (:data:`LEFT_KEY`) before it raises, so before it can close its channels. So a
         record already in the store that names another rank is the failure ``peer`` left
-        after: ``peer`` is a survivor, and the report names the rank that really failed.
+        after: ``peer`` is a survivor, and the report names the rank that really failed. A
+        note without such a record says ``peer`` left after its own error (a timeout): it
+        is blamed, but not called dead, and no record is written (timeouts write none).
+        Only with neither is ``peer`` taken for dead.
 
         Returns:
             The reason to report and the global rank to blame.
@@ -804,7 +809,7 @@ class Transport(BoardEngine):
         if record is None:
             # No store (it may have died with its host): a death this rank saw itself earlier
             # stands in for the abort record.
-            earlier = [g for g, why in self._gone.items() if why is _NO_GOODBYE and g != peer]
+            earlier = [g for g, went in self._gone.items() if went is _NO_GOODBYE and g != peer]
             if earlier:
                 record = f"rank {earlier[0]} died: {_NO_GOODBYE} (seen by rank {self.rank} earlier)"
         return self._after(record, peer, how, seen) or (reason, peer)
@@ -873,8 +878,6 @@ class Transport(BoardEngine):
             record = self._read_key(ABORT_KEY)
         except (StoreError, OSError):
             return  # an unreachable store is not a verdict; the timeout still bounds us
-        if record is None:
-            return
         if record is None:
             return
         dead = _record_rank(record, self.size)
