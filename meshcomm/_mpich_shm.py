@@ -93,7 +93,8 @@ class ShmWatch:
         for path in paths:
             if in_use.get(path):
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            # Gone already, or not ours to remove after all: the launcher must not fail for it.
+            with contextlib.suppress(OSError):
                 os.unlink(path)
                 removed.append(path)
         return removed
@@ -149,7 +150,7 @@ def _parent(pid: int) -> int | None:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
     fields = stat[stat.rfind(b")") + 2 :].split()
-    return int(fields[1]) if len(fields) > 1 else None
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
 def _mapped_paths(pid: int) -> set[str]:
