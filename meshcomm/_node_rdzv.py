@@ -1,0 +1,102 @@
+"""``meshrun --rdzv-backend c10d``: nodes take their node rank in the order they join.
+
+Every node's ``meshrun`` is started the same way (``--nnodes M --rdzv-backend c10d
+--rdzv-endpoint HOST:PORT``, no ``--node-rank``). The launcher that can bind ``HOST:PORT``
+hosts the store there (on the endpoint's own host; ``--rdzv-conf is_host=true/false``
+decides explicitly); every launcher then adds itself to a counter in that store: the n-th
+to join is node n - 1. All wait until M nodes have joined (``--rdzv-conf join_timeout``,
+default 600 s), then start their ranks, which meet in the same store. The node ranks are
+fixed for the run: a restart (``--max-restarts``) keeps them.
+
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from meshcomm.errors import InvalidArgument, MeshCommError
+
+if TYPE_CHECKING:
+    from meshcomm.run import LaunchConfig
+    from meshcomm.store.server import StoreServer
+
+__all__ = ["NodeJoinError", "join_nodes"]
+
+
+class NodeJoinError(MeshCommError):
+    """This node could not join the job's c10d rendezvous (timeout, job full, no store)."""
+
+
+def join_nodes(config: LaunchConfig) -> tuple[LaunchConfig, StoreServer | None]:
+    """Host the store if this node owns the endpoint, join, and learn this node's rank.
+
+    Returns:
+        The configuration with this node's ``node_rank``, and the store this launcher hosts
+        (already serving; the caller closes it) or None.
+
+    Raises:
+        NodeJoinError: no store at the endpoint, the job already has every node, or the
+            other nodes did not join within the join timeout.
+    """
+    from meshcomm.store import TCPStore
+
+    opts = config.torchrun
+    server = _host(config) if opts.is_host is not False else None
+    key = f"meshrun/c10d/{config.run_id}"
+    try:
+        client = TCPStore(
+            config.master_addr,
+            config.master_port,
+            timeout=opts.join_timeout,
+            secret=config.secret or "",
+        )
+    except MeshCommError as exc:
+        _close(server)
+        raise NodeJoinError(f"--rdzv-endpoint {_where(config)}: cannot join: {exc}") from exc
+    try:
+        joined = client.add(f"{key}/joined", 1)
+        if joined > config.nnodes:
+            raise NodeJoinError(
+                f"--rdzv-endpoint {_where(config)}: the job (--rdzv-id {config.run_id}) already "
+                f"has its {config.nnodes} nodes; give this run another --rdzv-id"
+            )
+        if joined == config.nnodes:
+            client.set(f"{key}/complete", "1")
+        client.wait([f"{key}/complete"], timeout=opts.join_timeout)
+    except NodeJoinError:
+        _close(server)
+        raise
+    except MeshCommError as exc:
+        _close(server)
+        raise NodeJoinError(
+            f"--rdzv-endpoint {_where(config)}: not every one of {config.nnodes} nodes joined "
+            f"within {opts.join_timeout:g} s (--rdzv-conf join_timeout): {exc}"
+        ) from exc
+    finally:
+        client.close()
+    return dataclasses.replace(config, node_rank=joined - 1), server
+
+
+def _host(config: LaunchConfig) -> StoreServer | None:
+    """The store, if this launcher can bind the endpoint; None if another one hosts it."""
+    from meshcomm.store.server import StoreServer
+
+    try:
+        # The endpoint's own address: binding it only works on the machine it names.
+        server = StoreServer(config.master_addr, config.master_port, secret=config.secret or "")
+    except (MeshCommError, OSError) as exc:
+        if isinstance(exc, InvalidArgument) or config.torchrun.is_host:
+            raise NodeJoinError(f"--rdzv-endpoint {_where(config)}: cannot host: {exc}") from exc
+        return None  # in use (another launcher hosts it) or not an address of this machine
+    server.start()
+    return server
+
+
+def _close(server: StoreServer | None) -> None:
+    if server is not None:
+        server.close()
+
+
+def _where(config: LaunchConfig) -> str:
+    return f"{config.master_addr}:{config.master_port}"
