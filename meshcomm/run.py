@@ -382,6 +382,14 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         ns.no_python = False  # torchrun: --run-path takes precedence over --no-python
     if ns.standalone and nnodes != 1:
         parser.error(f"--standalone runs a single node, but --nnodes is {nnodes}")
+    if options.max_restarts and nnodes > 1:
+        # A restart must restart every node together, at the same count (torchrun's agents
+        # agree on it through the rendezvous); meshrun's nodes do not coordinate, so a node
+        # would restart alone and wait for peers that finished or never come back.
+        parser.error(
+            f"--max-restarts {options.max_restarts} with --nnodes {nnodes}: restarts are "
+            "supported on one node only (meshrun's nodes cannot restart together)"
+        )
     if options.rdzv_backend == "c10d" and nnodes > 1:
         ns.node_rank = 0  # a placeholder: c10d numbers the nodes as they join (launch)
     if not 0 <= ns.node_rank < nnodes:
@@ -428,9 +436,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         # Node 0 may be reached through any of its addresses (as torchrun's store allows).
         bind_addr = "0.0.0.0"
 
+    if ns.start_method == "forkserver":  # torchrun's flag value; not a meshrun method
+        ns.start_method = "spawn"
     start_method = ns.start_method or os.environ.get(START_METHOD_VARIABLE) or "fork"
-    if start_method == "forkserver":
-        start_method = "spawn"
     if start_method not in START_METHODS:
         parser.error(
             f"${START_METHOD_VARIABLE} must be one of {', '.join(START_METHODS)}, "
@@ -1058,6 +1066,8 @@ def launch(config: LaunchConfig) -> int:
                 attempt = _Supervisor(
                     config, port, run_logs.attempt(restart, config.nproc_per_node), restart
                 )
+                if restart == 0 and run_logs.run_dir is not None:
+                    attempt.err.say(f"rank log files in {run_logs.run_dir}")
                 status = _run_attempt(attempt, to_start, handlers, wakeup_fd, received)
                 to_start = None
                 if not should_restart(status, attempt.stop_signal, restart, config):
