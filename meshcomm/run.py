@@ -409,6 +409,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
                 "--backend mpi starts one node's ranks; for several nodes run mpiexec (with "
                 "-hosts/--host) or srun directly: see docs/backends/mpi.md"
             )
+        _refuse_under_mpiexec(options, parser)
         from meshcomm._mpiexec import find_mpiexec
 
         mpiexec = ns.mpiexec or find_mpiexec()
@@ -475,6 +476,23 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         secret=secret,
         torchrun=options,
     )
+
+
+def _refuse_under_mpiexec(options: TorchrunOptions, parser: argparse.ArgumentParser) -> None:
+    """mpiexec starts and labels the ranks itself: meshrun cannot restart or split them."""
+    used = [
+        flag
+        for flag, on in (
+            ("--max-restarts", options.max_restarts > 0),
+            ("--log-dir/--redirects/--tee/--duplicate-*-filters", options.logs.writes_files),
+            ("--local-ranks-filter", options.logs.shown is not None),
+            ("--rdzv-backend c10d", options.rdzv_backend == "c10d"),
+            ("--virtual-local-rank", options.virtual_local_rank),
+        )
+        if on
+    ]
+    if used:
+        parser.error(f"--backend mpi: {', '.join(used)} not supported (mpiexec runs the ranks)")
 
 
 def _endpoint(options: TorchrunOptions, parser: argparse.ArgumentParser) -> tuple[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -164,12 +165,33 @@ def test_tee_without_log_dir_and_duplicate_filters(tmp_path: Path) -> None:
     assert (attempt / "filtered_stdout.log").read_text() == ""
 
 
-def test_local_ranks_filter_hides_other_ranks(tmp_path: Path) -> None:
-    result = meshrun("--nproc-per-node", "3", "--local_ranks_filter=1",
-                     script(tmp_path, "flaky.py", FLAKY), "0")  # fmt: skip
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_local_ranks_filter_hides_other_ranks(tmp_path: Path, start_method: str) -> None:
+    result = meshrun("--nproc-per-node", "3", "--local_ranks_filter=1", "--start-method",
+                     start_method, script(tmp_path, "flaky.py", FLAKY), "0")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[rank1] out rank 1 attempt 0 of 0"]
     assert "rank log files" not in result.stderr  # a filter alone writes no files
+
+
+def test_signals_to_handle_stop_the_job(tmp_path: Path) -> None:
+    sleeper = script(tmp_path, "sleep.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", "2",
+         "--signals-to-handle", "SIGTERM,SIGUSR1", sleeper],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for _ in range(2):  # both ranks are up
+            assert proc.stdout.readline().endswith("up\n")
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert "received SIGUSR1; stopping 2 ranks" in err
 
 
 # -- rendezvous ------------------------------------------------------------------------------
@@ -240,6 +262,10 @@ def test_c10d_join_timeout_names_the_endpoint(tmp_path: Path) -> None:
         (["--signals-to-handle", "SIGKILL", "x.py"], "'SIGKILL' is not a signal"),
         (["--logs-specs", "mine", "x.py"], "--logs-specs 'mine': not supported"),
         (["--numa-binding", "node", "x.py"], "--numa-binding 'node': not supported"),
+        (
+            ["--backend", "mpi", "--max-restarts", "1", "-t", "3", "x.py"],
+            "--backend mpi: --max-restarts, --log-dir/--redirects/--tee",
+        ),
     ],
 )
 def test_bad_flags_are_named(args: list[str], message: str) -> None:
