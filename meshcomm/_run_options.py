@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -40,6 +41,9 @@ __all__ = [
     "STOP_SIGNALS",
     "TorchrunOptions",
     "add_torchrun_flags",
+    "apply_pet_defaults",
+    "refuse_under_mpiexec",
+    "torchrun_environment",
     "torchrun_options",
 ]
 
@@ -219,6 +223,129 @@ def torchrun_options(
         stop_signals=stop,
         virtual_local_rank=ns.virtual_local_rank,
     )
+
+
+def torchrun_environment(
+    env: dict[str, str],
+    opts: TorchrunOptions,
+    local_rank: int,
+    restart: int,
+    rank_log_dir: str | None,
+) -> None:
+    """Set what torchrun's flags change in one rank's environment ``env``.
+
+    Args:
+        env: the rank's environment, changed in place.
+        opts: the flags.
+        local_rank: the rank's index on this node.
+        restart: ``TORCHELASTIC_RESTART_COUNT``.
+        rank_log_dir: the rank's log directory, if files are written.
+
+    Example:
+        >>> env = {}
+        >>> torchrun_environment(env, TorchrunOptions(role="r"), 0, 1, None)
+        >>> env["ROLE_NAME"], env["TORCHELASTIC_RESTART_COUNT"]
+        ('r', '1')
+    """
+    env["ROLE_NAME"] = opts.role
+    env["TORCHELASTIC_RESTART_COUNT"] = str(restart)
+    env["TORCHELASTIC_MAX_RESTARTS"] = str(opts.max_restarts)
+    if rank_log_dir is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(rank_log_dir, "error.json")
+    if opts.local_addr is not None:
+        env["MESHCOMM_HOST"] = opts.local_addr
+    if opts.virtual_local_rank:
+        # As torchrun: each rank sees one GPU, as device 0 (the list given, else by index).
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = (
+            visible[local_rank] if local_rank < len(visible) else (str(local_rank))
+        )
+        env["LOCAL_RANK"] = "0"
+
+
+def refuse_under_mpiexec(options: TorchrunOptions, error: Callable[[str], NoReturn]) -> None:
+    """mpiexec starts and labels the ranks itself: meshrun cannot restart or split them."""
+    used = [
+        flag
+        for flag, on in (
+            ("--max-restarts", options.max_restarts > 0),
+            ("--log-dir/--redirects/--tee/--duplicate-*-filters", options.logs.writes_files),
+            ("--local-ranks-filter", options.logs.shown is not None),
+            ("--rdzv-backend c10d", options.rdzv_backend == "c10d"),
+            ("--virtual-local-rank", options.virtual_local_rank),
+        )
+        if on
+    ]
+    if used:
+        error(f"--backend mpi: {', '.join(used)} not supported (mpiexec runs the ranks)")
+
+
+# The flags whose default torchrun takes from PET_<NAME> (its argparse actions env/check_env).
+_PET_NAMES = frozenset(
+    [
+        "nnodes",
+        "nproc_per_node",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "rdzv_conf",
+        "standalone",
+        "max_restarts",
+        "monitor_interval",
+        "start_method",
+        "event_log_handler",
+        "role",
+        "module",
+        "no_python",
+        "run_path",
+        "log_dir",
+        "redirects",
+        "tee",
+        "local_ranks_filter",
+        "duplicate_stdout_filters",
+        "duplicate_stderr_filters",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "local_addr",
+        "signals_to_handle",
+        "shutdown_timeout",
+        "virtual_local_rank",
+    ]
+)
+
+
+def apply_pet_defaults(
+    parser: argparse.ArgumentParser,
+    environ: Mapping[str, str],
+    error: Callable[[str], NoReturn],
+) -> None:
+    """Take flag defaults from ``PET_*`` variables, as torchrun does (``PET_NNODES=2``).
+
+    A flag given on the command line still wins. On/off flags (``--standalone``) take
+    ``0`` or ``1``.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_torchrun_flags(parser)
+        >>> apply_pet_defaults(parser, {"PET_MAX_RESTARTS": "2"}, parser.error)
+        >>> parser.parse_args([]).max_restarts
+        2
+    """
+    for action in parser._actions:
+        for option in action.option_strings:
+            name = option.lstrip("-").replace("-", "_")
+            variable = f"PET_{name.upper()}"
+            if name not in _PET_NAMES or variable not in environ:
+                continue
+            raw = environ[variable]
+            if isinstance(action, argparse._StoreTrueAction):
+                if raw.strip() not in ("0", "1"):
+                    error(f"{variable}={raw!r} (the default of {option}): expected 0 or 1")
+                action.default = raw.strip() == "1"
+            else:
+                action.default = raw  # argparse converts a str default with the action's type
+            break
 
 
 def _filters(raw: str) -> tuple[str, ...]:

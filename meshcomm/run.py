@@ -67,7 +67,14 @@ from meshcomm._procs import (
     supervised_command,
 )
 from meshcomm._rank_logs import AttemptLogs, Route, RunLogs
-from meshcomm._run_options import TorchrunOptions, add_torchrun_flags, torchrun_options
+from meshcomm._run_options import (
+    TorchrunOptions,
+    add_torchrun_flags,
+    apply_pet_defaults,
+    refuse_under_mpiexec,
+    torchrun_environment,
+    torchrun_options,
+)
 from meshcomm._secret import SECRET_ENV
 from meshcomm._torchrun_flags import STD_ERR, STD_OUT, FlagError, parse_endpoint
 from meshcomm.errors import InvalidArgument, MeshCommError
@@ -369,6 +376,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         (4, '127.0.0.1', 0, ('train.py', '--lr', '0.1'))
     """
     parser = _build_parser()
+    apply_pet_defaults(parser, os.environ, parser.error)
     ns = parser.parse_args(argv)
     if ns.script is None:
         parser.error(
@@ -409,7 +417,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
                 "--backend mpi starts one node's ranks; for several nodes run mpiexec (with "
                 "-hosts/--host) or srun directly: see docs/backends/mpi.md"
             )
-        _refuse_under_mpiexec(options, parser)
+        refuse_under_mpiexec(options, parser.error)
         from meshcomm._mpiexec import find_mpiexec
 
         mpiexec = ns.mpiexec or find_mpiexec()
@@ -476,23 +484,6 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         secret=secret,
         torchrun=options,
     )
-
-
-def _refuse_under_mpiexec(options: TorchrunOptions, parser: argparse.ArgumentParser) -> None:
-    """mpiexec starts and labels the ranks itself: meshrun cannot restart or split them."""
-    used = [
-        flag
-        for flag, on in (
-            ("--max-restarts", options.max_restarts > 0),
-            ("--log-dir/--redirects/--tee/--duplicate-*-filters", options.logs.writes_files),
-            ("--local-ranks-filter", options.logs.shown is not None),
-            ("--rdzv-backend c10d", options.rdzv_backend == "c10d"),
-            ("--virtual-local-rank", options.virtual_local_rank),
-        )
-        if on
-    ]
-    if used:
-        parser.error(f"--backend mpi: {', '.join(used)} not supported (mpiexec runs the ranks)")
 
 
 def _endpoint(options: TorchrunOptions, parser: argparse.ArgumentParser) -> tuple[str, int]:
@@ -572,7 +563,7 @@ def child_environment(
             run_id=config.run_id,
         )
     )
-    _torchrun_environment(env, config, local_rank, restart, rank_log_dir)
+    torchrun_environment(env, config.torchrun, local_rank, restart, rank_log_dir)
     env["PYTHONUNBUFFERED"] = "1"
     if config.secret:
         env[SECRET_ENV] = config.secret
@@ -584,31 +575,6 @@ def child_environment(
         # N ranks each starting a BLAS thread per core would oversubscribe the cores N times.
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
-
-
-def _torchrun_environment(
-    env: dict[str, str],
-    config: LaunchConfig,
-    local_rank: int,
-    restart: int,
-    rank_log_dir: str | None,
-) -> None:
-    """Add what torchrun's flags change in a rank's environment."""
-    opts = config.torchrun
-    env["ROLE_NAME"] = opts.role
-    env["TORCHELASTIC_RESTART_COUNT"] = str(restart)
-    env["TORCHELASTIC_MAX_RESTARTS"] = str(opts.max_restarts)
-    if rank_log_dir is not None:
-        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(rank_log_dir, "error.json")
-    if opts.local_addr is not None:
-        env["MESHCOMM_HOST"] = opts.local_addr
-    if opts.virtual_local_rank:
-        # As torchrun: each rank sees one GPU, as device 0 (the list given, else by index).
-        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = (
-            visible[local_rank] if local_rank < len(visible) else (str(local_rank))
-        )
-        env["LOCAL_RANK"] = "0"
 
 
 class _Sink:
@@ -1090,6 +1056,8 @@ def launch(config: LaunchConfig) -> int:
                 to_start = None
                 if not should_restart(status, attempt.stop_signal, restart, config):
                     return status
+                if received:  # a stop signal after the last rank exited: do not start again
+                    return 128 + received[0]
                 restart += 1
                 attempt.err.say(
                     f"restarting this node's {config.nproc_per_node} ranks "

@@ -290,6 +290,17 @@ def test_flags_shape_the_rank_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert (cfg.grace_period, cfg.start_method) == (7.0, "spawn")
 
 
+def test_pet_variables_are_flag_defaults(tmp_path: Path) -> None:
+    env = dict(os.environ, PET_NPROC_PER_NODE="3", PET_MAX_RESTARTS="1")
+    result = meshrun("--nproc-per-node", "2", script(tmp_path, "flaky.py", FLAKY), "1", env=env)
+    assert result.returncode == 0, result.stderr  # the command line's 2 ranks, one restart
+    assert "[rank1] out rank 1 attempt 1 of 1" in result.stdout.splitlines()
+    assert "[rank2]" not in result.stdout
+    bad = meshrun("x.py", env=dict(os.environ, PET_STANDALONE="yes"))
+    assert bad.returncode == 2
+    assert "PET_STANDALONE='yes' (the default of --standalone): expected 0 or 1" in bad.stderr
+
+
 def test_rdzv_endpoint_is_the_store() -> None:
     cfg = parse_args(["--rdzv-endpoint", "127.0.0.1:29511", "x.py"])
     assert (cfg.master_addr, cfg.master_port) == ("127.0.0.1", 29511)
