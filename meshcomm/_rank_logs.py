@@ -91,15 +91,26 @@ class Route:
     console: bool
     filtered: tuple[IO[bytes], tuple[bytes, ...]] | None = None
 
-    def write(self, lines: list[bytes], prefix: bytes) -> None:
-        """Write whole lines (without their newline) to the file and the filtered log."""
-        if self.file is not None:
-            self.file.write(b"".join(line + b"\n" for line in lines))
-        if self.filtered is not None:
-            out, needles = self.filtered
-            chosen = [line for line in lines if any(n in line for n in needles)]
-            if chosen:
-                out.write(b"".join(prefix + line + b"\n" for line in chosen))
+    def write(self, lines: list[bytes], prefix: bytes) -> str | None:
+        """Write whole lines (without their newline) to the file and the filtered log.
+
+        Returns:
+            None, or a message when a file could not be written (a full disk): from then
+            on this stream goes to the console instead, so that no line is lost.
+        """
+        try:
+            if self.file is not None:
+                self.file.write(b"".join(line + b"\n" for line in lines))
+            if self.filtered is not None:
+                out, needles = self.filtered
+                chosen = [line for line in lines if any(n in line for n in needles)]
+                if chosen:
+                    out.write(b"".join(prefix + line + b"\n" for line in chosen))
+        except OSError as exc:
+            name = getattr(self.file, "name", "a log file")
+            self.file, self.filtered, self.console = None, None, True
+            return f"cannot write {name}: {exc}; this stream goes to the console from now on"
+        return None
 
 
 class RunLogs:

@@ -645,7 +645,9 @@ class _Lines:
             return
         if self._tail is not None:
             self._tail.extend(lines)
-        self._route.write(lines, self._prefix)
+        problem = self._route.write(lines, self._prefix)
+        if problem is not None:
+            _Sink(sys.stderr).say(problem)
         if self._route.console:
             self._sink.write(b"".join(self._prefix + line + b"\n" for line in lines))
 

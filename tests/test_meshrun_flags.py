@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from meshcomm._rank_logs import Route
 from meshcomm._torchrun_flags import FlagError, parse_endpoint, parse_std_map
 from meshcomm.run import _build_parser, child_environment, parse_args
 
@@ -308,6 +309,16 @@ def test_rdzv_endpoint_is_the_store() -> None:
     assert (c10d.master_addr, c10d.master_port) == ("::1", 29400)  # torchrun's c10d port
     standalone = parse_args(["--standalone", "--rdzv-endpoint", "h:1", "x.py"])
     assert standalone.master_port == 0  # --standalone ignores the rendezvous flags
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_sends_the_stream_to_the_console() -> None:
+    with open("/dev/full", "wb", buffering=0) as full:
+        route = Route(file=full, console=False)
+        problem = route.write([b"line"], b"[rank0] ")
+    assert problem is not None and "cannot write /dev/full" in problem
+    assert (route.file, route.console) == (None, True)
+    assert route.write([b"next"], b"") is None
 
 
 def test_flag_parsers() -> None:
