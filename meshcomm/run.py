@@ -1043,8 +1043,6 @@ def launch(config: LaunchConfig) -> int:
             return 1
         port = server.port if server is not None else config.master_port
         run_logs = RunLogs(config.torchrun.logs, config.run_id)
-        # The store outlives the attempts, as torchrun's: a restarted rank's rendezvous keys
-        # live under its TORCHELASTIC_RESTART_COUNT, so the new ranks never meet old ones.
         to_start = None if serving else server
         try:
             restart = 0
@@ -1065,6 +1063,18 @@ def launch(config: LaunchConfig) -> int:
                     f"restarting this node's {config.nproc_per_node} ranks "
                     f"(restart {restart} of --max-restarts {config.torchrun.max_restarts})"
                 )
+                if server is not None:
+                    # Restarts are single-node: a fresh, empty store per attempt, so the new
+                    # ranks never see the old world's keys, and (its thread gone) they can be
+                    # forked again instead of spawned.
+                    server.close()
+                    server = None
+                    try:
+                        server = to_start = _host_store(config)
+                    except (MeshCommError, OSError) as exc:  # the port was taken meanwhile
+                        attempt.err.say(f"cannot restart: {exc}")
+                        return status
+                    port = server.port
         finally:
             if server is not None:
                 server.close()

@@ -102,17 +102,30 @@ def test_without_restarts_a_failure_ends_the_run(tmp_path: Path) -> None:
     assert "restarting" not in result.stderr
 
 
-def test_restarted_ranks_meet_in_a_fresh_rendezvous(tmp_path: Path) -> None:
-    # Rank 1 fails after a collective on attempt 0; attempt 1's ranks must form a new world.
-    body = COLLECTIVE.replace(
-        "meshcomm.shutdown()",
-        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and group.rank == 1:\n"
-        "    os._exit(4)\nmeshcomm.shutdown()",
-    )
-    result = meshrun("--nproc-per-node", "2", "--max-restarts", "1",
-                     script(tmp_path, "job.py", body))  # fmt: skip
+# Attempt 0: rank 1 leaves a key in the store and fails after a collective; attempt 1 must
+# form a new world in an empty store.
+RESTARTED = COLLECTIVE.replace(
+    "meshcomm.shutdown()",
+    """from meshcomm.store import TCPStore
+store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+print(f"rank {group.rank} sees the old key: {store.check(['left-behind'])}")
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and group.rank == 1:
+    store.set("left-behind", "x")
+    os._exit(4)
+store.close()
+meshcomm.shutdown()""",
+)
+
+
+@pytest.mark.parametrize("port", ["free", "fixed"])
+def test_restarted_ranks_meet_in_a_fresh_store(tmp_path: Path, port: str) -> None:
+    fixed = ("--master-port", free_port()) if port == "fixed" else ()
+    result = meshrun("--nproc-per-node", "2", "--max-restarts", "1", *fixed,
+                     script(tmp_path, "job.py", RESTARTED))  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("of 2 node 0 sum 3") == 4  # both ranks, both attempts
+    assert "sees the old key: True" not in result.stdout
+    assert result.stdout.count("sees the old key: False") == 4
 
 
 # -- log files and the console ---------------------------------------------------------------
