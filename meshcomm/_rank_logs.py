@@ -126,7 +126,8 @@ class RunLogs:
         attempt_dir = None
         if self.plan.writes_files:
             if self.run_dir is None:
-                base = self.plan.log_dir or tempfile.mkdtemp(prefix="meshrun_")
+                # Absolute: TORCHELASTIC_ERROR_FILE must hold for a rank that changes directory.
+                base = os.path.abspath(self.plan.log_dir or tempfile.mkdtemp(prefix="meshrun_"))
                 os.makedirs(base, exist_ok=True)
                 self.run_dir = tempfile.mkdtemp(prefix=f"{self.run_id}_", dir=base)
             attempt_dir = os.path.join(self.run_dir, f"attempt_{restart}")

@@ -969,6 +969,7 @@ class _Supervisor:
                 self._show_tail(what, entry)
             else:
                 self.err.say(what)
+            self._name_error_file(entry)
         stopped = [r for r in self.ranks if r.sent is not None]
         if not stopped:
             return
@@ -986,6 +987,15 @@ class _Supervisor:
                 f"killed {_rank_list(killed)} with SIGKILL: still running "
                 f"{self.config.grace_period:g} s after SIGTERM ({cause})"
             )
+
+    def _name_error_file(self, entry: _Rank) -> None:
+        # torch's @record writes the exception to TORCHELASTIC_ERROR_FILE; torchrun reports it.
+        rank_dir = self.logs.rank_dir(
+            entry.rank - self.config.node_rank * self.config.nproc_per_node
+        )
+        path = None if rank_dir is None else os.path.join(rank_dir, "error.json")
+        if path is not None and os.path.exists(path):
+            self.err.say(f"rank {entry.rank} wrote its error to {path}")
 
     def _show_tail(self, what: str, entry: _Rank) -> None:
         lines = list(entry.tail)

@@ -162,6 +162,26 @@ def test_log_dir_layout_redirects_tee_and_filter(tmp_path: Path) -> None:
     assert "[rank1] err rank 1 attempt 1" not in err  # redirected, and filtered out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_torch_record_writes_the_error_file_meshrun_names(tmp_path: Path) -> None:
+    job = script(tmp_path, "job.py", (
+        "import os\n"
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ValueError('boom')\n"
+        "main()\n"
+    ))  # fmt: skip
+    result = meshrun("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), job)
+    assert result.returncode == 1
+    match = re.search(r"rank 1 wrote its error to (\S+)", result.stderr)
+    assert match, result.stderr
+    error_file = Path(match.group(1))
+    assert error_file.is_absolute() and error_file.parts[-3:] == ("attempt_0", "1", "error.json")
+    assert "ValueError: boom" in error_file.read_text()
+
+
 def test_tee_without_log_dir_and_duplicate_filters(tmp_path: Path) -> None:
     flaky = script(tmp_path, "flaky.py", FLAKY)
     result = meshrun("--nproc-per-node", "2", "-t", "3", "--no-prefix",
