@@ -23,6 +23,14 @@ SIGKILL after ``--grace-period`` seconds; ``meshrun`` prints which rank failed a
 its stderr, and exits with that rank's status (128 + N for signal N). Ctrl-C stops every rank
 and exits 130. Ranks die with ``meshrun`` even if it is SIGKILLed (Linux).
 
+Every torchrun 2.13 flag is accepted (docs/launch.md has the table): ``--max-restarts N``
+restarts this node's ranks after a failure (each attempt in a fresh store, with
+``TORCHELASTIC_RESTART_COUNT``); ``--log-dir``, ``-r/--redirects``, ``-t/--tee`` and
+``--local-ranks-filter`` route the ranks' output as torchrun does (:mod:`meshcomm._rank_logs`);
+``--rdzv-backend static|c10d --rdzv-endpoint HOST:PORT`` names the store, c10d numbering the
+nodes as they join (:mod:`meshcomm._node_rdzv`). The flags are parsed in
+:mod:`meshcomm._run_options`.
+
 By default (``--start-method fork``) a Python program's ranks are forked from ``meshrun``
 after it imported numpy and meshcomm once (:mod:`meshcomm._forkrun`), which makes a short
 job several times faster on a few cores; ``--start-method spawn`` (or
