@@ -355,6 +355,8 @@ def _parse_nnodes(raw: str, parser: argparse.ArgumentParser) -> int:
     low, sep, high = raw.partition(":")
     try:
         nnodes = int(low)
+        if sep and int(high) < nnodes:
+            parser.error(f"--nnodes {raw}: MIN:MAX needs MIN <= MAX")
         if sep and int(high) != nnodes:
             # Starting at MIN and admitting nodes up to MAX needs elastic membership (a world
             # that grows and shrinks), which meshcomm has not: refuse rather than guess.

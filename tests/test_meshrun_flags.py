@@ -286,6 +286,7 @@ def test_c10d_join_timeout_names_the_endpoint(tmp_path: Path) -> None:
         ([], "the script to run is missing"),
         (["--nproc-per-node", "2"], "the script to run is missing"),
         (["--nnodes", "1:2", "x.py"], "--nnodes 1:2: elastic membership (MIN:MAX with MIN < MAX)"),
+        (["--nnodes", "2:1", "x.py"], "--nnodes 2:1: MIN:MAX needs MIN <= MAX"),
         (["--max-restarts", "-1", "x.py"], "--max-restarts must be 0 or more, got -1"),
         (["--max-restarts", "1", "--nnodes", "2", "--no-secret", "x.py"], "one node only"),
         (["--monitor-interval", "0", "x.py"], "--monitor-interval must be a positive"),
