@@ -323,7 +323,8 @@ def apply_pet_defaults(
     """Take flag defaults from ``PET_*`` variables, as torchrun does (``PET_NNODES=2``).
 
     A flag given on the command line still wins. On/off flags (``--standalone``) take
-    ``0`` or ``1``.
+    ``0`` or ``1``. ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is the ``--shutdown-timeout`` default
+    when ``PET_SHUTDOWN_TIMEOUT`` is not set, as in torchrun.
 
     Example:
         >>> parser = argparse.ArgumentParser()
@@ -333,6 +334,14 @@ def apply_pet_defaults(
         2
     """
     for action in parser._actions:
+        if "--shutdown-timeout" in action.option_strings:
+            # torchrun's fallback when --shutdown-timeout is not given (PET_ still wins).
+            fallback = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+            if fallback is not None:
+                try:
+                    action.default = parse_seconds(fallback, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+                except FlagError as exc:
+                    error(str(exc))
         for option in action.option_strings:
             name = option.lstrip("-").replace("-", "_")
             variable = f"PET_{name.upper()}"

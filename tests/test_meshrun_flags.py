@@ -339,6 +339,14 @@ def test_pet_variables_are_flag_defaults(tmp_path: Path) -> None:
     assert "PET_STANDALONE='yes' (the default of --standalone): expected 0 or 1" in bad.stderr
 
 
+def test_torch_elastic_shutdown_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
+    assert parse_args(["x.py"]).grace_period == 7.0
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "9")  # torchrun: PET_ first
+    assert parse_args(["x.py"]).grace_period == 9.0
+    assert parse_args(["--shutdown_timeout", "3", "x.py"]).grace_period == 3.0
+
+
 def test_rdzv_endpoint_is_the_store() -> None:
     cfg = parse_args(["--rdzv-endpoint", "127.0.0.1:29511", "x.py"])
     assert (cfg.master_addr, cfg.master_port) == ("127.0.0.1", 29511)
