@@ -34,6 +34,7 @@ from meshcomm._torchrun_flags import (
     parse_signals,
     parse_std_map,
 )
+from meshcomm.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
@@ -45,6 +46,7 @@ __all__ = [
     "refuse_under_mpiexec",
     "torchrun_environment",
     "torchrun_options",
+    "visible_device",
 ]
 
 #: ``--rdzv-backend`` values meshrun implements (torchrun's etcd backends need etcd).
@@ -210,6 +212,11 @@ def torchrun_options(
             stop = parse_signals(ns.signals_to_handle, "--signals-to-handle")
     except FlagError as exc:
         error(str(exc))
+    if ns.virtual_local_rank:
+        try:  # the last local rank is the first to lack a GPU
+            visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"), nproc - 1)
+        except InvalidArgument as exc:
+            error(str(exc))
     return TorchrunOptions(
         rdzv_backend=ns.rdzv_backend,
         rdzv_endpoint=ns.rdzv_endpoint,
@@ -256,11 +263,29 @@ def torchrun_environment(
         env["MESHCOMM_HOST"] = opts.local_addr
     if opts.virtual_local_rank:
         # As torchrun: each rank sees one GPU, as device 0 (the list given, else by index).
-        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = (
-            visible[local_rank] if local_rank < len(visible) else (str(local_rank))
-        )
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(env.get("CUDA_VISIBLE_DEVICES"), local_rank)
         env["LOCAL_RANK"] = "0"
+
+
+def visible_device(visible: str | None, local_rank: int) -> str:
+    """The one GPU a ``--virtual-local-rank`` rank sees: its entry of the inherited list.
+
+    Raises:
+        InvalidArgument: the inherited ``CUDA_VISIBLE_DEVICES`` names fewer GPUs than ranks.
+
+    Example:
+        >>> visible_device("4,5", 1), visible_device(None, 1)
+        ('5', '1')
+    """
+    if visible is None:
+        return str(local_rank)
+    devices = visible.split(",")
+    if local_rank >= len(devices):
+        raise InvalidArgument(
+            f"--virtual-local-rank: local rank {local_rank} has no GPU in "
+            f"CUDA_VISIBLE_DEVICES={visible!r}"
+        )
+    return devices[local_rank].strip()
 
 
 def refuse_under_mpiexec(options: TorchrunOptions, error: Callable[[str], NoReturn]) -> None:

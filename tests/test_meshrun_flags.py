@@ -301,13 +301,17 @@ def test_c10d_join_timeout_names_the_endpoint(tmp_path: Path) -> None:
         (["--logs-specs", "mine", "x.py"], "--logs-specs 'mine': not supported"),
         (["--numa-binding", "node", "x.py"], "--numa-binding 'node': not supported"),
         (
+            ["--virtual-local-rank", "--nproc-per-node", "3", "x.py"],
+            "--virtual-local-rank: local rank 2 has no GPU in CUDA_VISIBLE_DEVICES='0,1'",
+        ),
+        (
             ["--backend", "mpi", "--max-restarts", "1", "-t", "3", "x.py"],
             "--backend mpi: --max-restarts, --log-dir/--redirects/--tee",
         ),
     ],
 )
 def test_bad_flags_are_named(args: list[str], message: str) -> None:
-    result = meshrun(*args)
+    result = meshrun(*args, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0,1"))
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "script_args" not in result.stderr
