@@ -1,18 +1,19 @@
 """``meshrun --rdzv-backend c10d``: nodes take their node rank in the order they join.
 
 Every node's ``meshrun`` is started the same way (``--nnodes M --rdzv-backend c10d
---rdzv-endpoint HOST:PORT``, no ``--node-rank``). The launcher that can bind ``HOST:PORT``
-hosts the store there (on the endpoint's own host; ``--rdzv-conf is_host=true/false``
-decides explicitly); every launcher then adds itself to a counter in that store: the n-th
-to join is node n - 1. All wait until M nodes have joined (``--rdzv-conf join_timeout``,
-default 600 s), then start their ranks, which meet in the same store. The node ranks are
-fixed for the run: a restart (``--max-restarts``) keeps them.
-
+--rdzv-endpoint HOST:PORT``, no ``--node-rank``). The first launcher on the machine HOST
+names (an address of that machine can be bound there) hosts the store on PORT, on every
+interface as torchrun's does; ``--rdzv-conf is_host=true/false`` decides explicitly. Every
+launcher then adds itself to a counter in that store: the n-th to join is node n - 1. All
+wait until M nodes have joined (``--rdzv-conf join_timeout``, default 600 s), then start
+their ranks, which meet in the same store. Restarts are single-node only, so the node
+ranks are fixed for the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from typing import TYPE_CHECKING
 
 from meshcomm.errors import InvalidArgument, MeshCommError
@@ -79,18 +80,34 @@ def join_nodes(config: LaunchConfig) -> tuple[LaunchConfig, StoreServer | None]:
 
 
 def _host(config: LaunchConfig) -> StoreServer | None:
-    """The store, if this launcher can bind the endpoint; None if another one hosts it."""
+    """The store, if this machine owns the endpoint and no other launcher here hosts it."""
     from meshcomm.store.server import StoreServer
 
+    family = _local_family(config.master_addr)
+    if family is None and not config.torchrun.is_host:
+        return None  # the endpoint names another machine
+    # Every interface, as torchrun's store: a name that resolves to 127.0.1.1 here (a common
+    # /etc/hosts line) must still be reachable from the other nodes.
+    bind = "::" if family == socket.AF_INET6 else "0.0.0.0"
     try:
-        # The endpoint's own address: binding it only works on the machine it names.
-        server = StoreServer(config.master_addr, config.master_port, secret=config.secret or "")
+        server = StoreServer(bind, config.master_port, secret=config.secret or "")
     except (MeshCommError, OSError) as exc:
         if isinstance(exc, InvalidArgument) or config.torchrun.is_host:
             raise NodeJoinError(f"--rdzv-endpoint {_where(config)}: cannot host: {exc}") from exc
-        return None  # in use (another launcher hosts it) or not an address of this machine
+        return None  # the port is in use: another launcher on this machine hosts it
     server.start()
     return server
+
+
+def _local_family(host: str) -> int | None:
+    """The address family of ``host`` if it is an address of this machine, else None."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(sockaddr)  # only an address of this machine can be bound
+    except OSError:  # socket.gaierror included: an unknown name is not this machine
+        return None
+    return int(family)
 
 
 def _close(server: StoreServer | None) -> None:
