@@ -76,6 +76,7 @@ from meshcomm._procs import (
 )
 from meshcomm._rank_logs import AttemptLogs, Route, RunLogs
 from meshcomm._run_options import (
+    STOP_SIGNALS,
     TorchrunOptions,
     add_torchrun_flags,
     apply_pet_defaults,
@@ -124,8 +125,6 @@ _TICK_WITH_PIDFD = 1.0
 
 # How long to wait for ranks after SIGKILL before reporting them and exiting anyway.
 _AFTER_SIGKILL = 10.0
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -705,7 +704,7 @@ class _Rank:
 
 @contextmanager
 def _catch_stop_signals(
-    signals: Sequence[int] = _STOP_SIGNALS,
+    signals: Sequence[int] = STOP_SIGNALS,
 ) -> Iterator[tuple[int | None, list[int], dict[int, Any]]]:
     """Record ``signals`` (SIGINT/SIGTERM/SIGHUP) instead of dying; wake the loop by a pipe.
 
@@ -1164,7 +1163,7 @@ def _launch_mpi(config: LaunchConfig) -> int:
     if config.mpiexec is None:  # parse_args finds one; a hand-made LaunchConfig may not
         print("meshrun: backend 'mpi' needs an mpiexec (LaunchConfig.mpiexec)", file=sys.stderr)
         return 1
-    with _catch_stop_signals() as (_, received, _handlers):
+    with _catch_stop_signals(config.torchrun.stop_signals) as (_, received, _handlers):
         return launch_mpiexec(
             config.mpiexec,
             config.nproc_per_node,
