@@ -9,7 +9,10 @@ process. The user sees what meshrun shows for its own ranks:
   ``MPI_Abort``), its traceback shown;
 - meshrun's exit status is the job's (the failing rank's code; 128 + N for signal N);
 - Ctrl-C (SIGINT, SIGTERM, SIGHUP) is passed on to ``mpiexec``, which passes it to the ranks;
-  whatever still runs ``--grace-period`` seconds later is killed.
+  whatever still runs ``--grace-period`` seconds later is killed;
+- the ``/dev/shm/mpich_shm_*`` files that an aborted MPICH job leaves are removed, when they
+  were seen mapped by the job's own processes and nothing maps them any more
+  (:mod:`meshcomm._mpich_shm`).
 
 ``meshcomm.init()`` in the ranks picks the mpi backend (``MESHCOMM_BACKEND=mpi``).
 
@@ -28,6 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from meshcomm._mpich_shm import ShmWatch
 from meshcomm._procs import (
     SHADOWING_VARIABLES,
     describe_exit,
@@ -151,12 +155,14 @@ def launch_mpiexec(
         return 1
     stop: int | None = None
     kill_at: float | None = None
+    watch = ShmWatch(proc.pid)
     while True:
         try:
             code = proc.wait(timeout=_TICK)
             break
         except subprocess.TimeoutExpired:
             pass
+        watch.scan()
         if stop_signals:
             signum = stop_signals.pop(0)
             if stop is None:
@@ -170,6 +176,8 @@ def launch_mpiexec(
         if kill_at is not None and time.monotonic() >= kill_at:
             send_signal(proc.pid, 9, group=True)
             kill_at = float("inf")
+    # MPI_Abort skips MPICH's own unlinking; a clean job has removed its files already.
+    watch.cleanup()
     if stop is not None:
         return 128 + stop
     if code != 0:

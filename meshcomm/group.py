@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -72,12 +73,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _lower, _staging
+from meshcomm import _fingerprint, _ledger, _lower, _staging, _verdict
+from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
-from meshcomm.errors import CommError, InvalidArgument
+from meshcomm.errors import CommError, CommTimeout, InvalidArgument
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 from meshcomm.work import ProgressEngine, Work
@@ -162,6 +164,7 @@ class ProcessGroup:
         else:
             self._debug = _parent._debug if debug is None else bool(debug)
         self._seq = 0
+        self._book = _ledger.Ledger(_ledger.ledger_length())
         self._children = 0
         # Closing a group closes the groups made from it first (they may share its
         # communicator's resources: the MPI world, the tcp store).
@@ -216,6 +219,20 @@ class ProcessGroup:
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
         return self._closed
+
+    def ledger(self) -> list[dict[str, Any]]:
+        """This rank's last collectives on this group, oldest first (``MESHCOMM_LEDGER``).
+
+        Each record has ``seq``, ``op``, ``dtype``, ``shape``, ``site`` (the caller's
+        ``file:line``), ``state`` ("done", "failed" or "in flight") and ``seconds``.
+
+        Example:
+            >>> g = ProcessGroup(SelfCommunicator())
+            >>> _ = g.all_reduce(np.ones(2))
+            >>> [(r["seq"], r["op"], r["state"]) for r in g.ledger()]
+            [(1, 'all_reduce', 'done')]
+        """
+        return self._book.records()
 
     @property
     def seq(self) -> int:
@@ -302,7 +319,24 @@ class ProcessGroup:
                 _fingerprint.check(comm, row, ranks, label)
                 return unchecked()
 
-        return self._engine.submit(body, label, bool(async_op))
+        recorder = _trace.active
+        if recorder is not None:
+            body = _traced(recorder, body, self.name, op, seq, fields)
+        book = self._book
+        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"))
+        if entry is not None and async_op:
+            body = _booked(entry, body)  # it ends on the engine's thread
+        try:
+            result = self._engine.submit(body, label, bool(async_op))
+        except BaseException as exc:
+            book.end(entry, True)
+            judged = self._judged(exc, op, seq) if isinstance(exc, CommTimeout) else exc
+            if judged is exc:
+                raise
+            raise judged from exc
+        if not async_op:
+            book.end(entry, False)
+        return result
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
@@ -371,7 +405,9 @@ class ProcessGroup:
         its primitive on flat views; None: no direct path). The pair is remembered only once
         the general path has accepted it, so the direct path skips no argument check.
         """
-        if self._debug or flat is None or type(x) is not np.ndarray or not x.dtype.isnative:
+        if self._debug or _trace.active or flat is None or type(x) is not np.ndarray:
+            return
+        if not x.dtype.isnative:
             return
         rop = _lower.reduce_op(c.where, op, x.dtype)
         if rop in _lower.COMPOSED:
@@ -395,7 +431,7 @@ class ProcessGroup:
         like this. ``args`` (broadcast's root) go to the runner and into the key,
         ``(x.dtype, *args)``; the runner is the communicator's ``<name>_runner(*args)``, else
         ``flat`` (default: the primitive ``<name>``) on flat views."""
-        if self._debug or type(x) is not np.ndarray or not x.dtype.isnative:
+        if self._debug or _trace.active or type(x) is not np.ndarray or not x.dtype.isnative:
             return
         key = (x.dtype, *args) if args else x.dtype
         if key not in table and len(table) < _DIRECT_PAIRS:
@@ -419,14 +455,38 @@ class ProcessGroup:
         if not engine.claim():
             return None
         self._seq += 1
+        book = self._book
+        entry = book.add(self._seq, name, x.dtype, shape)
         try:
             run(x, out)
+            book.end(entry, False)
         except BaseException as exc:
+            book.end(entry, True)
             engine.poison(exc, f"{name} (op #{self._seq}) on {self._where}")
-            raise
+            judged = self._judged(exc, name, self._seq) if isinstance(exc, CommTimeout) else exc
+            if judged is exc:
+                raise
+            raise judged from exc
         finally:
             engine.release()
         return out
+
+    def _judged(self, exc: CommTimeout, op: str, seq: int) -> CommTimeout:
+        """``exc`` with the hang verdict added: which members waited in op ``seq``, and
+        where the others are (:mod:`meshcomm._verdict`); ``exc`` itself without a store."""
+        if self.store is None or self.size == 1:
+            return exc
+        text = _verdict.report(
+            self.store,
+            self.name,
+            self.ranks,
+            self.ranks[self.rank],
+            op,
+            seq,
+            _verdict.call_site(),
+            _verdict.grace_seconds(self.timeout),
+        )
+        return CommTimeout(f"{exc}\n  verdict: {text}") if text else exc
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -1049,6 +1109,44 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _booked(entry: _ledger.Entry, body: Callable[[], Any]) -> Callable[[], Any]:
+    """``body`` that marks its ledger ``entry`` ended when it ends (async operations)."""
+
+    def booked() -> Any:
+        try:
+            result = body()
+        except BaseException:
+            _ledger.Ledger.end(entry, True)
+            raise
+        _ledger.Ledger.end(entry, False)
+        return result
+
+    return booked
+
+
+def _traced(
+    recorder: _trace.Recorder,
+    body: Callable[[], Any],
+    group: str,
+    op: str,
+    seq: int,
+    fields: dict[str, Any],
+) -> Callable[[], Any]:
+    """``body`` timed into ``recorder``: called now, run and finished when it runs."""
+    issued = time.time()
+    dtype, shape = fields.get("dtype"), fields.get("shape")
+    nbytes = int(np.prod(shape)) * dtype.itemsize if dtype is not None and shape is not None else 0
+
+    def timed() -> Any:
+        start = time.time()
+        try:
+            return body()
+        finally:
+            recorder.add(group, op, seq, nbytes, issued, start, time.time())
+
+    return timed
 
 
 def new_group(

@@ -76,6 +76,8 @@ _REJOIN_BACKOFF_MAX = 0.1
 # After an abort, the rank that hosts the store server keeps it up this long (at most) so the
 # other ranks can read the reason instead of seeing a dropped connection.
 _ABORT_LINGER = 2.0
+# Rank 0 says who is missing this often while the world assembles.
+_REPORT_EVERY = 10.0
 # Seconds a rank 0 whose port is taken tries that port's server as a client (see _tcp_store).
 _JOIN_TAKEN_PORT = 5.0
 
@@ -668,17 +670,24 @@ def _agree(
         store.add(f"{ns}/entered", 1)
         if store.check([abort_key]):
             raise _aborted(store, ns, rank, hosts)
-        mine = f"{world_size} {rank}"
+        local = local_world_size_hint()
+        mine = f"{world_size} {rank} {local}"
         first = store.compare_set(f"{ns}/world_size", "", mine).decode()
-        first_size, _, first_rank = first.partition(" ")
+        first_size, first_rank, first_local = [*first.split(), "0", "0"][:3]
         if first_size != str(world_size):
+            per_node = ""
+            if local and first_local not in ("0", str(local)):
+                per_node = (
+                    f" ({local} vs {first_local} ranks per node: is --nproc-per-node the "
+                    "same on every node?)"
+                )
             raise _abort(
                 store,
                 ns,
                 rank,
                 hosts,
                 f"ranks disagree on the world size: rank {rank} has world size {world_size} "
-                f"but rank {first_rank} has world size {first_size}",
+                f"but rank {first_rank} has world size {first_size}{per_node}",
             )
         owner = store.compare_set(f"{ns}/rank/{rank}", "", token).decode()
         if owner != token:
@@ -693,9 +702,9 @@ def _agree(
         if store.add(f"{ns}/arrived", 1) == world_size:
             store.set(done_key, "ok")
         try:
-            store.wait([done_key], timeout=max(deadline - time.monotonic(), 1e-3))
+            _wait_for_all(store, ns, rank, world_size, seconds, deadline)
         except StoreTimeout:
-            missing = [r for r in range(world_size) if not store.check([f"{ns}/rank/{r}"])]
+            missing = _missing(store, ns, world_size)
             arrived = world_size - len(missing)
             raise _abort(
                 store,
@@ -722,6 +731,76 @@ def _agree(
             f"rank {rank}: lost the rendezvous store at {address}: {exc} (the rank hosting it "
             "may have failed)"
         ) from exc
+
+
+def _missing(store: Store, ns: str, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if not store.check([f"{ns}/rank/{r}"])]
+
+
+def _report_every() -> float:
+    """Seconds between rank 0's "still waiting" lines (``MESHCOMM_RDZV_REPORT``, default 10)."""
+    raw = os.environ.get("MESHCOMM_RDZV_REPORT", "").strip()
+    try:
+        value = float(raw) if raw else _REPORT_EVERY
+    except ValueError:
+        value = _REPORT_EVERY
+    return value if value > 0 else _REPORT_EVERY
+
+
+def _wait_for_all(
+    store: Store, ns: str, rank: int, world_size: int, seconds: float, deadline: float
+) -> None:
+    """Wait for the arrival barrier; rank 0 says who is missing every few seconds, so a node
+    started late or never is named while the others wait, not only at the timeout.
+
+    Raises:
+        StoreTimeout: the deadline passed.
+    """
+    every = _report_every()
+    started = time.monotonic()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait([f"{ns}/done"], timeout=max(min(left, every), 1e-3))
+            return
+        except StoreTimeout:
+            if time.monotonic() >= deadline - 1e-3:
+                raise
+        if rank != 0:
+            continue
+        missing = _missing(store, ns, world_size)
+        if not missing:
+            continue
+        local = local_world_size_hint()
+        nodes = sorted({r // local for r in missing}) if local else []
+        where = f" (node(s) {nodes} with {local} ranks per node)" if nodes else ""
+        _log.warning(
+            "meshcomm: waiting for rank(s) %s%s: %d of %d arrived, %.0f s of %g s",
+            _span(missing),
+            where,
+            world_size - len(missing),
+            world_size,
+            time.monotonic() - started,
+            seconds,
+        )
+
+
+def _span(ranks: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``"2-4, 7"``: readable at 512 ranks."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(parts)
+
+
+def local_world_size_hint() -> int:
+    """Ranks per node from the launcher's ``LOCAL_WORLD_SIZE`` (0 when unknown)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 0
 
 
 def _abort(store: Store, ns: str, rank: int, hosts: bool, reason: str) -> RendezvousError:

@@ -121,12 +121,18 @@ class World:
                     init_method, world_size, rank, seconds, store, env=env, generation=generation
                 )
             try:
+                from meshcomm import trace
+
+                trace.start(rdzv.rank, rdzv.store)  # MESHCOMM_TRACE: before any group
                 group = _make_group(name, rdzv)
             except BaseException:
                 # The others fail too (the backend is collective): linger only briefly.
                 rdzv.close(wait=_FAILED_INIT_LINGER)
                 raise
             self._group, self._rendezvous = group, rdzv
+            from meshcomm import _report
+
+            _report.install(group)  # kill -USR1 <pid>: this rank's last collectives, stacks
             return group
 
     def shutdown(self) -> None:
@@ -145,6 +151,10 @@ class World:
                 group.close()
             finally:
                 rdzv.close()
+                from meshcomm import _report, trace
+
+                trace.stop()
+                _report.uninstall()
 
     def is_initialized(self) -> bool:
         """Return True between a successful ``init`` and ``shutdown``."""

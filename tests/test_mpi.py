@@ -11,6 +11,7 @@ Skipped, with the reason, when mpi4py or mpiexec is missing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -768,9 +769,11 @@ group.barrier()  # without the abort, the others would wait here for 120 s
 """
 
 
-def meshrun(tmp_path: Path, nprocs: int, *args: str, timeout: float = 90.0) -> MpiRun:
+def meshrun(
+    tmp_path: Path, nprocs: int, *args: str, timeout: float = 90.0, job: str = _MESHRUN_JOB
+) -> MpiRun:
     script = tmp_path / "job.py"
-    script.write_text(_MESHRUN_JOB)
+    script.write_text(job)
     command = [sys.executable, "-m", "meshcomm.run", "--backend", "mpi", "--nproc-per-node",
                str(nprocs), str(script), *args]  # fmt: skip
     start = time.monotonic()
@@ -801,6 +804,47 @@ def test_meshrun_backend_mpi_stops_every_rank_on_a_failure(tmp_path: Path) -> No
     assert "meshrun: mpiexec -n 3 exited with code 1" in run.err, run.tail()
     code = meshrun(tmp_path, 2, "exit")
     assert code.rc == 4, code.tail()
+
+
+_LEAVES_SHM = """
+import time, numpy as np, meshcomm
+group = meshcomm.init(timeout=120)
+group.all_reduce(np.ones(1))
+with open("/proc/self/maps") as maps:
+    names = {line.split()[-1] for line in maps if "/dev/shm/mpich_shm_" in line}
+print("SHM", *sorted(n for n in names if n.startswith("/")), flush=True)
+time.sleep(1.0)  # a job that ran a while: the launcher has looked at it by now
+if group.rank == 1:
+    raise RuntimeError("rank 1 refuses")
+group.barrier()
+"""
+
+
+def _shm_names(out: str) -> set[str]:
+    names = {name for line in out.splitlines() if "SHM " in line
+             for name in line.split("SHM ", 1)[1].split()}  # fmt: skip
+    assert names and all(n.startswith("/dev/shm/mpich_shm_") for n in names), out
+    return names
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MPICH's files in /dev/shm")
+def test_meshrun_backend_mpi_removes_what_an_abort_leaves_in_dev_shm(tmp_path: Path) -> None:
+    script = tmp_path / "leaves_shm.py"
+    script.write_text(_LEAVES_SHM)
+    # Without meshrun, MPI_Abort leaves the job's file behind (this test removes it).
+    bare = mpirun(3, [str(script)], script=["-m", "meshcomm.run_mpi"], timeout=60)
+    assert bare.rc != 0, bare.tail()
+    left = _shm_names(bare.out)
+    try:
+        assert all(os.path.exists(name) for name in left), (left, bare.tail())
+    finally:
+        for name in left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+    run = meshrun(tmp_path, 3, job=_LEAVES_SHM)
+    assert run.rc == 1 and "rank 1 refuses" in run.err, run.tail()
+    names = _shm_names(run.out)
+    assert not [name for name in names if os.path.exists(name)], (names, run.tail())
 
 
 def test_meshrun_backend_mpi_arguments() -> None:

@@ -562,3 +562,32 @@ def test_env_method_needs_a_master(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         rendezvous(env={"RANK": "1", "WORLD_SIZE": "2", **env}, timeout=5)
     assert fragment in str(info.value)
+
+
+def test_a_node_never_started_is_named_while_rank_0_waits() -> None:
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MESHCOMM_TIMEOUT="3",
+        MESHCOMM_RDZV_REPORT="1", MESHCOMM_SECRET="", PYTHONPATH=str(Path(__file__).parents[1]),
+    )  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import meshcomm; meshcomm.init()"],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "waiting for rank(s) 1-3 (node(s) [0, 1] with 2 ranks per node): 1 of 4 arrived" in (
+        out.stderr
+    ), out.stderr[-2000:]
+    assert "rank(s) [1, 2, 3] never arrived" in out.stderr, out.stderr[-2000:]

@@ -125,8 +125,10 @@ def test_thirty_day_master_and_env_timeout(monkeypatch: pytest.MonkeyPatch) -> N
     try:
         with TCPStore(HOST, master.port) as worker:
             assert master.timeout == 3e6 and worker.timeout == 3e6
-            threading.Timer(0.1, lambda: master.set("go", b"1")).start()
+            setter = threading.Timer(0.1, lambda: master.set("go", b"1"))
+            setter.start()
             assert worker.get("go") == b"1"
+            setter.join(10)  # its reply is read before the master's store closes
     finally:
         master.close()
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import random
 import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -44,7 +46,16 @@ def _leftovers(token: str) -> list[str]:
     return sorted(name for name in os.listdir(shm.SHM_DIR) if f".{token}." in name)
 
 
-def _child(name: str, rank: int, size: int, port: int, out: Any, release: Any, args: tuple) -> None:
+def _child(
+    name: str,
+    rank: int,
+    size: int,
+    port: int,
+    out: Any,
+    release: Any,
+    args: tuple,
+    linger: bool = True,
+) -> None:
     store = TCPStore("127.0.0.1", port, timeout=30)
     comm = TcpCommunicator.create_world(rank, size, store, TIMEOUT)
     try:
@@ -52,8 +63,10 @@ def _child(name: str, rank: int, size: int, port: int, out: Any, release: Any, a
     except BaseException as exc:
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     # Survivors keep their sockets open until every survivor has answered, so that one
-    # survivor's exit is never what another one observes.
-    release.wait(60)
+    # survivor's exit is never what another one observes; without linger they leave at once,
+    # as a job's ranks do, and the others may see that first.
+    if linger:
+        release.wait(60)
     comm.close()
     store.close()
 
@@ -136,9 +149,32 @@ def small_all_reduce_until_failure(comm: TcpCommunicator, store: Any, victim: in
 ALL_REDUCES = ["all_reduce_until_failure", "small_all_reduce_until_failure"]
 
 
-def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, Any], float]:
+def big_all_reduce_until_killed(
+    comm: TcpCommunicator, store: Any, victim: int, how: str, delay: float
+) -> Any:
+    """64 MiB all_reduces; the victim is killed ``delay`` s into its second call, from a
+    timer thread, so the kill lands inside a collective rather than between two."""
+    buf = np.ones(16 << 20, np.float32)
+    for step in range(10_000):
+        if comm.rank == victim and step == 1:
+            store.set("test/fault_at", repr(time.time() + delay))
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        started = time.monotonic()
+        try:
+            comm.all_reduce(buf, ReduceOp.SUM)
+            assert buf[0] == buf[-1] == comm.size, buf
+            buf[:] = 1
+        except CommError as exc:
+            return _failure(comm, exc, started)
+    return "never failed"
+
+
+def run_fault(
+    name: str, size: int, victim: int, how: str, *extra: Any, linger: bool = True
+) -> tuple[dict[int, Any], float]:
     """Run ``name`` on ``size`` ranks; return the survivors' reports and the fault's time.
 
+    ``linger=False``: each survivor closes its world as soon as it has its report.
     Afterwards (every process gone) no shared-memory name of the job may be left.
     """
     ctx = multiprocessing.get_context("spawn")
@@ -147,7 +183,8 @@ def run_fault(name: str, size: int, victim: int, how: str) -> tuple[dict[int, An
     with StoreServer("127.0.0.1", 0) as server:
         procs = [
             ctx.Process(
-                target=_child, args=(name, r, size, server.port, out, release, (victim, how))
+                target=_child,
+                args=(name, r, size, server.port, out, release, (victim, how, *extra), linger),
             )
             for r in range(size)
         ]
@@ -242,3 +279,98 @@ def test_sigstop_makes_survivors_time_out(transport: str) -> None:
         assert "no progress for 3 s" in report["message"]
         check_fail_fast(report)
         check_channels(report, transport)
+
+
+def check_blames_victim(reports: dict[int, Any], victim: int) -> None:
+    """Every survivor names the victim, whichever peer's departure it saw first."""
+    for rank, report in reports.items():
+        assert (report["type"], report["rank"]) == ("PeerError", victim), (rank, report)
+        assert f"rank {victim} died" in report["message"], (rank, report)
+        check_fail_fast(report)
+
+
+def test_survivors_that_leave_are_not_blamed(transport: str) -> None:
+    # Rank 1 never talks to rank 3: it sees rank 0 (or 2) leave after its own error first.
+    reports, _ = run_fault("ring_until_failure", 4, 3, "kill", linger=False)
+    assert sorted(reports) == [0, 1, 2]
+    check_blames_victim(reports, 3)
+    assert 3 not in reports[1]["connected"]
+    message = reports[1]["message"]
+    assert "left after that failure" in message or "another rank reported" in message, message
+
+
+def _kill_mid_64mib(runs: int) -> None:
+    rng = random.Random(17)
+    for _ in range(runs):
+        delay = rng.uniform(0.0, 0.3)
+        reports, died_at = run_fault(
+            "big_all_reduce_until_killed", 4, 3, "kill", delay, linger=False
+        )
+        assert sorted(reports) == [0, 1, 2], (delay, reports)
+        check_blames_victim(reports, 3)
+        for report in reports.values():
+            assert report["at"] - died_at <= TIMEOUT + SLACK, report
+
+
+def test_sigkill_mid_64mib_all_reduce_names_the_victim(transport: str) -> None:
+    _kill_mid_64mib(2)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_64mib_all_reduce_names_the_victim_10_runs(transport: str) -> None:
+    """Issue 17: 4 of 30 survivor reports blamed a survivor that had left after its error."""
+    _kill_mid_64mib(10)
+
+
+def test_survivors_that_time_out_and_leave_are_not_called_dead(transport: str) -> None:
+    reports, _ = run_fault("ring_until_failure", 4, 3, "stop", linger=False)
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
+        message = report["message"]
+        assert report["type"] in ("CommTimeout", "PeerError"), (rank, report)
+        assert "died" not in message, (rank, report)
+        if report["type"] == "PeerError":  # it saw another survivor leave first
+            assert "left after its own error (CommTimeout" in message, (rank, report)
+        check_fail_fast(report)
+
+
+def _store_host_child(rank: int, size: int, ports: Any, out: Any) -> None:
+    """Rank 0 hosts the store (as under a launcher that makes rank 0 the master) and dies."""
+    if rank == 0:
+        store = TCPStore("127.0.0.1", 0, is_master=True, timeout=30)
+        ports.put(store.port)
+        ports.put(store.port)
+    else:
+        store = TCPStore("127.0.0.1", ports.get(timeout=30), timeout=30)
+    comm = TcpCommunicator.create_world(rank, size, store, TIMEOUT)
+    try:
+        out.put((rank, "ok", ring_until_failure(comm, store, 0, "kill")))
+    except BaseException as exc:
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    comm.close()
+
+
+def test_the_store_dying_with_a_rank_does_not_delay_the_report(transport: str) -> None:
+    # Every store operation after the first failed one could wait out the store's 30 s
+    # trying to reconnect: survivors must still report within the transport's bounds.
+    ctx = multiprocessing.get_context("spawn")
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_store_host_child, args=(r, 3, ports, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        reports = {}
+        for _ in range(2):
+            rank, status, value = out.get(timeout=60)
+            assert status == "ok", f"rank {rank}: {value}"
+            reports[rank] = value
+    finally:
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+    assert sorted(reports) == [1, 2]
+    for rank, report in reports.items():
+        assert (report["type"], report["rank"]) == ("PeerError", 0), (rank, report)
+        assert report["elapsed"] <= TIMEOUT + SLACK, (rank, report)
+        check_fail_fast(report)

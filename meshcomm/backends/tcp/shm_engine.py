@@ -168,7 +168,10 @@ class ShmEngine(Connections):
     def _drain(self, ch: Channel | ShmPeer) -> None:
         raise NotImplementedError  # the transport's
 
-    def _publish_abort(self, record: str) -> None:
+    def _peer_died(self, peer: int, how: str) -> PeerError:
+        raise NotImplementedError
+
+    def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
         raise NotImplementedError
 
     def _break(self, exc: CommError) -> None:
@@ -214,7 +217,9 @@ class ShmEngine(Connections):
         what = "write" if write else "read"
         sp = self._shm.get(peer)
         error: CommError
-        if sp is None:
+        if sp is None and peer in self._gone:  # it left between frames; its pair is gone
+            error = self._gone_error(peer, what)
+        elif sp is None:
             error = ProtocolError(f"rank {self.rank}: rank {peer} is not a shared-memory peer")
         else:
             try:
@@ -225,11 +230,10 @@ class ShmEngine(Connections):
                 return
             except OSError as exc:
                 if exc.errno == errno.ESRCH:
-                    reason = f"rank {peer} died: its process is gone (seen by rank {self.rank})"
-                    self._publish_abort(reason)
-                    error = PeerError(f"rank {self.rank}: peer {reason}", peer)
+                    error = self._peer_died(peer, "its process is gone")
                 else:
-                    error = ProtocolError(
+                    how = f"cannot {what} {nbytes} bytes of it at {remote:#x}: {exc}"
+                    error = self._left_after_failure(peer, how) or ProtocolError(
                         f"rank {self.rank}: cannot {what} {nbytes} bytes of rank {peer} at "
                         f"{remote:#x}: {exc}"
                     )
@@ -384,10 +388,9 @@ class ShmEngine(Connections):
             cma.read_into(sp.pid, target, h.address)
         except OSError as exc:
             if exc.errno == errno.ESRCH:
-                reason = f"rank {sp.peer} died: its process is gone (seen by rank {self.rank})"
-                self._publish_abort(reason)
-                raise PeerError(f"rank {self.rank}: peer {reason}", sp.peer) from None
-            raise ProtocolError(
+                raise self._peer_died(sp.peer, "its process is gone") from None
+            how = f"cannot read {h.length} bytes of it at {h.address:#x}: {exc}"
+            raise self._left_after_failure(sp.peer, how) or ProtocolError(
                 f"rank {self.rank}: cannot read {h.length} bytes of rank {sp.peer} at "
                 f"{h.address:#x}: {exc}"
             ) from None

@@ -31,7 +31,9 @@ naming that peer (after draining its ring, if any), and the detecting rank write
 record (``meshcomm/tcp/abort``) to the store; every rank blocked in the engine checks that
 key about once a second, so ranks with no connection to the dead one fail too. No progress
 for the timeout raises :class:`~meshcomm.errors.CommTimeout`. After either, the transport is
-broken and every call fails fast with the original reason.
+broken and every call fails fast with the original reason. A failing rank writes its record
+and a note of why it gives up before it raises, so a peer that sees it leave names the first
+failure instead of calling it dead (``Transport._blame``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -101,6 +104,7 @@ from meshcomm.store.base import Store
 __all__ = [
     "ABORT_KEY",
     "ANY_SOURCE",
+    "LEFT_KEY",
     "LINK_TAG",
     "TOKEN_KEY",
     "ShmPeer",
@@ -113,6 +117,8 @@ __all__ = [
 
 TOKEN_KEY = "meshcomm/tcp/token"
 ABORT_KEY = "meshcomm/tcp/abort"
+#: + the rank: why a rank gave up (its first error), written before it can leave.
+LEFT_KEY = "meshcomm/tcp/left/"
 
 _ABORT_CHECK_INTERVAL = 1.0
 # The listener thread empties the backlog between GIL slices of a busy rank: room for a
@@ -127,6 +133,10 @@ _MIXED_MIN, _MIXED_MAX = 0.0001, 0.002
 # ... and with only socket operations pending (the rings are drained for others' sake).
 _MIXED_IDLE = 0.01
 _ABORT_RANK = re.compile(r"rank (\d+)")
+_GOODBYE = "closed its communicator"
+_NO_GOODBYE = "its connection closed (EOF) without a goodbye"
+_NOTE_MAX = 1000
+_T = TypeVar("_T")
 
 
 def channel_kind(same_host: bool) -> str:
@@ -602,6 +612,7 @@ class Transport(BoardEngine):
         return "still waiting: " + ", ".join(parts[:8]) + note
 
     def _break(self, exc: CommError) -> None:
+        first = self._failure is None
         self._failure = exc
         self._posted.clear()
         self._posted_any.clear()
@@ -609,6 +620,8 @@ class Transport(BoardEngine):
         for sp in self._shm_list:
             sp.rts.clear()
         self._npending = 0
+        if first:
+            self._note_leaving(exc)
 
     # -- sending -------------------------------------------------------------------------------
     def _post_send(self, s: Send) -> None:
@@ -779,6 +792,9 @@ class Transport(BoardEngine):
                 )
 
     # -- faults --------------------------------------------------------------------------------
+    #: A store operation of the failure path failed (see _store_op).
+    _store_lost = False
+
     def _eof(self, ch: Channel) -> None:
         peer = ch.peer
         if ch.state is _ACCEPTING:
@@ -795,18 +811,20 @@ class Transport(BoardEngine):
         # operation is only an error if this rank still needs it, now or later.
         waits = self._waits_on(peer)
         self._drop(ch)
-        self._gone[peer] = (
-            "closed its communicator"
-            if ch.goodbye
-            else "died: its connection closed (EOF) without a goodbye"
-        )
+        self._gone[peer] = _GOODBYE if ch.goodbye else _NO_GOODBYE
         if waits:
             raise self._gone_error(peer, "wait for")
 
     def _gone_error(self, peer: int, action: str) -> PeerError:
-        reason = f"rank {peer} {self._gone[peer]} (seen by rank {self.rank})"
-        self._publish_abort(reason)
-        return PeerError(f"rank {self.rank}: cannot {action} rank {peer}: {reason}", peer)
+        how = self._gone[peer]
+        if how is _GOODBYE:
+            # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
+            reason = f"rank {peer} {how} (seen by rank {self.rank})"
+            self._publish_abort(reason)
+            blamed = peer
+        else:
+            reason, blamed = self._blame(peer, how)
+        return PeerError(f"rank {self.rank}: cannot {action} rank {peer}: {reason}", blamed)
 
     def _waits_on(self, peer: int) -> bool:
         sp = self._shm.get(peer)
@@ -820,25 +838,120 @@ class Transport(BoardEngine):
         """Drop the broken channel of a known peer; publish and return the error to raise."""
         peer = ch.peer
         self._drop(ch)
-        reason = f"rank {peer} died: {exc} (connection to {ch.address}, seen by rank {self.rank})"
-        self._publish_abort(reason)
-        return PeerError(f"rank {self.rank}: peer {reason}", peer)
+        reason, blamed = self._blame(peer, str(exc), f"connection to {ch.address}, ")
+        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def _peer_died(self, peer: int, how: str) -> PeerError:
+        """The error for a same-host peer whose process is gone (``how`` says how we saw it)."""
+        reason, blamed = self._blame(peer, how)
+        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def _blame(self, peer: int, how: str, where: str = "") -> tuple[str, int]:
+        """Say who failed when ``peer`` went away without a goodbye, and publish it if first.
+
+        A rank that fails publishes its abort record (or finds one) and notes why it gives
+        up (:data:`LEFT_KEY`) before it raises, so before it can close its channels. So a
+        record already in the store that names another rank is the failure ``peer`` left
+        after: ``peer`` is a survivor, and the report names the rank that really failed. A
+        note without such a record says ``peer`` left after its own error (a timeout): it
+        is blamed, but not called dead, and no record is written (timeouts write none).
+        Only with neither is ``peer`` taken for dead.
+
+        Returns:
+            The reason to report and the global rank to blame.
+        """
+        seen = f"{where}seen by rank {self.rank}"
+        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
+        if why is not None:
+            # It failed and left: not a death, and (as for timeouts) no abort record; a
+            # failure the abort record names came first and is the one to blame.
+            reason = f"rank {peer} left after its own error ({why}; {seen})"
+            return self._after(self._read_abort(), peer, how, seen) or (reason, peer)
+        reason = f"rank {peer} died: {how} ({seen})"
+        record = self._swap_abort(reason)
+        if record is None:
+            # No store (it may have died with its host): a death this rank saw itself earlier
+            # stands in for the abort record.
+            earlier = [g for g, went in self._gone.items() if went is _NO_GOODBYE and g != peer]
+            if earlier:
+                record = f"rank {earlier[0]} died: {_NO_GOODBYE} (seen by rank {self.rank} earlier)"
+        return self._after(record, peer, how, seen) or (reason, peer)
+
+    def _note_leaving(self, exc: CommError) -> None:
+        """Say in the store why this rank is giving up, before it can close its channels, so
+        that a peer that sees it go does not take it for dead."""
+        note = f"{type(exc).__name__}: {exc}"[:_NOTE_MAX]
+        self._store_op(lambda: self._store.set(LEFT_KEY + str(self.rank), note))
+
+    def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
+        """The error for a same-host peer whose buffer went away under a copy, if it failed or
+        left after a failure the abort record names (it stopped waiting for us and freed
+        the buffer); None without a record (the ranks disagree: a protocol error)."""
+        record = self._read_abort()
+        if record is None:
+            return None
+        seen = f"seen by rank {self.rank}"
+        if _record_rank(record, self.size) == peer:
+            return PeerError(f"rank {self.rank}: peer {record} (then: {how}, {seen})", peer)
+        found = self._after(record, peer, how, seen)
+        return PeerError(f"rank {self.rank}: {found[0]}", found[1]) if found else None
+
+    def _after(self, record: str | None, peer: int, how: str, seen: str) -> tuple[str, int] | None:
+        """When ``record`` names a failure of another rank than ``peer`` and this one: the
+        report that ``peer`` left after it, and that rank."""
+        first = _record_rank(record, self.size) if record is not None else None
+        if first is None or first in (peer, self.rank):
+            return None
+        return f"{record}; rank {peer} left after that failure ({how}, {seen})", first
 
     def _publish_abort(self, record: str) -> None:
-        # First record wins; the store may be gone with its host, which must not mask the error.
-        with contextlib.suppress(MeshCommError, OSError):
-            self._store.compare_set(ABORT_KEY, b"", record.encode())
+        self._swap_abort(record)
+
+    def _swap_abort(self, record: str) -> str | None:
+        """Publish ``record`` unless a record exists; return the one in the store (None: the
+        store did not answer)."""
+        current = self._store_op(lambda: self._store.compare_set(ABORT_KEY, b"", record.encode()))
+        return None if current is None else bytes(current).decode(errors="replace")
+
+    def _read_abort(self) -> str | None:
+        return self._store_op(lambda: self._read_key(ABORT_KEY))
+
+    def _store_op(self, op: Callable[[], _T]) -> _T | None:
+        """Run a store operation of the failure path; None if the store did not answer.
+
+        The store may be gone with its host, which must not mask the error; after one failed
+        operation the others are skipped: each could spend the store's whole timeout trying
+        to reconnect.
+        """
+        if self._store_lost:
+            return None
+        try:
+            return op()
+        except (MeshCommError, OSError):
+            self._store_lost = True
+            return None
+
+    def _read_key(self, key: str) -> str | None:
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key)).decode(errors="replace")
 
     def _check_abort(self) -> None:
         try:
-            if not self._store.check([ABORT_KEY]):
-                return
-            record = self._store.get(ABORT_KEY).decode(errors="replace")
+            record = self._read_key(ABORT_KEY)
         except (StoreError, OSError):
             return  # an unreachable store is not a verdict; the timeout still bounds us
-        match = _ABORT_RANK.search(record)
-        dead = int(match.group(1)) if match else None
+        if record is None:
+            return
+        dead = _record_rank(record, self.size)
         raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", dead)
+
+
+def _record_rank(record: str, size: int) -> int | None:
+    """The rank an abort record blames: the first one it names (None: none in the world)."""
+    match = _ABORT_RANK.search(record)
+    rank = int(match.group(1)) if match else None
+    return rank if rank is not None and rank < size else None
 
 
 def _replay(exc: CommError) -> CommError:
