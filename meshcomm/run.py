@@ -23,6 +23,14 @@ SIGKILL after ``--grace-period`` seconds; ``meshrun`` prints which rank failed a
 its stderr, and exits with that rank's status (128 + N for signal N). Ctrl-C stops every rank
 and exits 130. Ranks die with ``meshrun`` even if it is SIGKILLed (Linux).
 
+Every torchrun 2.13 flag is accepted (docs/launch.md has the table): ``--max-restarts N``
+restarts this node's ranks after a failure (each attempt in a fresh store, with
+``TORCHELASTIC_RESTART_COUNT``); ``--log-dir``, ``-r/--redirects``, ``-t/--tee`` and
+``--local-ranks-filter`` route the ranks' output as torchrun does (:mod:`meshcomm._rank_logs`);
+``--rdzv-backend static|c10d --rdzv-endpoint HOST:PORT`` names the store, c10d numbering the
+nodes as they join (:mod:`meshcomm._node_rdzv`). The flags are parsed in
+:mod:`meshcomm._run_options`.
+
 By default (``--start-method fork``) a Python program's ranks are forked from ``meshrun``
 after it imported numpy and meshcomm once (:mod:`meshcomm._forkrun`), which makes a short
 job several times faster on a few cores; ``--start-method spawn`` (or
@@ -66,7 +74,18 @@ from meshcomm._procs import (
     signal_name,
     supervised_command,
 )
+from meshcomm._rank_logs import AttemptLogs, Route, RunLogs
+from meshcomm._run_options import (
+    STOP_SIGNALS,
+    TorchrunOptions,
+    add_torchrun_flags,
+    apply_pet_defaults,
+    refuse_under_mpiexec,
+    torchrun_environment,
+    torchrun_options,
+)
 from meshcomm._secret import SECRET_ENV
+from meshcomm._torchrun_flags import STD_ERR, STD_OUT, FlagError, parse_endpoint
 from meshcomm.errors import InvalidArgument, MeshCommError
 
 if TYPE_CHECKING:
@@ -80,6 +99,7 @@ __all__ = [
     "launch",
     "main",
     "parse_args",
+    "should_restart",
 ]
 
 #: How ranks are started; see :class:`LaunchConfig`.
@@ -89,6 +109,8 @@ START_METHOD_VARIABLE = "MESHRUN_START_METHOD"
 
 #: Port node 0 listens on when ``--nnodes`` > 1 and no ``--master-port`` is given (torchrun's).
 DEFAULT_MASTER_PORT = 29500
+#: Port of a ``--rdzv-backend c10d`` endpoint given without one (torchrun's).
+DEFAULT_C10D_PORT = 29400
 
 # Lines of each rank's stderr kept for the failure summary.
 _TAIL_LINES = 200
@@ -100,12 +122,9 @@ _MAX_LINE = 64 * 1024
 _DRAIN_SECONDS = 2.0
 # Longest sleep of the supervision loop; exits also wake it through pidfds where available.
 _TICK_WITH_PIDFD = 1.0
-_TICK_WITHOUT_PIDFD = 0.1
 
 # How long to wait for ranks after SIGKILL before reporting them and exiting anyway.
 _AFTER_SIGKILL = 10.0
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,7 @@ class LaunchConfig:
         mpiexec: the ``mpiexec`` for ``backend="mpi"``.
         secret: the job's ``MESHCOMM_SECRET`` given to every rank and to the store this node
             hosts; None runs the job unauthenticated (``--no-secret``).
+        torchrun: torchrun's other flags: restarts, logs, rendezvous backend, role, ...
     """
 
     nproc_per_node: int
@@ -150,6 +170,7 @@ class LaunchConfig:
     mpiexec: str | None = None
     # Never in a repr: a LaunchConfig may be printed or logged.
     secret: str | None = field(default=None, repr=False)
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
 
     @property
     def world_size(self) -> int:
@@ -173,7 +194,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="ranks on this node: a number, 'cpu' (one per CPU), 'gpu' (one per NVIDIA GPU) "
         "or 'auto' (gpu if any, else cpu); default 1",
     )
-    add("--nnodes", default="1", metavar="M", help="nodes in the job (M or M:M); default 1")
+    add(
+        "--nnodes",
+        default="1",
+        metavar="M",
+        help="nodes in the job (M, or M:M; elastic MIN:MAX ranges with MIN < MAX are refused); "
+        "default 1",
+    )
     add(
         "--node-rank",
         "--node_rank",
@@ -237,6 +264,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--grace-period",
+        "--shutdown-timeout",
+        "--shutdown_timeout",
         dest="grace_period",
         default=DEFAULT_GRACE_PERIOD,
         type=float,
@@ -248,7 +277,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--start-method",
         "--start_method",
         dest="start_method",
-        choices=START_METHODS,
+        # torchrun's forkserver has no counterpart here: it runs as spawn.
+        choices=(*START_METHODS, "forkserver"),
         default=None,
         help="fork: ranks are forked from meshrun after it imported numpy and meshcomm once "
         "(Python programs on Linux; the default); spawn: a fresh interpreter per rank. "
@@ -286,7 +316,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run unauthenticated: any process that can reach the store or a rank's port can "
         "join or disturb the job (torchrun's behaviour)",
     )
-    add("script", metavar="script", help="the program: a .py file, or a module with -m")
+    add_torchrun_flags(parser)
+    # Optional here so that a missing script gets its own message (see parse_args).
+    add("script", nargs="?", metavar="script", help="the program: a .py file, or a module with -m")
     add("script_args", nargs=argparse.REMAINDER, help="arguments passed to the program")
     return parser
 
@@ -322,10 +354,14 @@ def _parse_nnodes(raw: str, parser: argparse.ArgumentParser) -> int:
     low, sep, high = raw.partition(":")
     try:
         nnodes = int(low)
+        if sep and int(high) < nnodes:
+            parser.error(f"--nnodes {raw}: MIN:MAX needs MIN <= MAX")
         if sep and int(high) != nnodes:
+            # Starting at MIN and admitting nodes up to MAX needs elastic membership (a world
+            # that grows and shrinks), which meshcomm has not: refuse rather than guess.
             parser.error(
-                f"--nnodes {raw}: elastic ranges are not supported; give one number "
-                f"(got min {low} and max {high})"
+                f"--nnodes {raw}: elastic membership (MIN:MAX with MIN < MAX) is not supported; "
+                f"give one number, e.g. --nnodes {high} (every node must join)"
             )
     except ValueError:
         parser.error(f"--nnodes must be a positive integer (or N:N), got {raw!r}")
@@ -349,11 +385,30 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         (4, '127.0.0.1', 0, ('train.py', '--lr', '0.1'))
     """
     parser = _build_parser()
+    apply_pet_defaults(parser, os.environ, parser.error)
     ns = parser.parse_args(argv)
+    if ns.script is None:
+        parser.error(
+            "the script to run is missing: meshrun [options] train.py [args] "
+            "(or -m module, or --no-python program)"
+        )
     nproc = _parse_nproc(ns.nproc_per_node, parser)
     nnodes = _parse_nnodes(ns.nnodes, parser)
+    options = torchrun_options(ns, nproc, parser.error)
+    if ns.run_path:
+        ns.no_python = False  # torchrun: --run-path takes precedence over --no-python
     if ns.standalone and nnodes != 1:
         parser.error(f"--standalone runs a single node, but --nnodes is {nnodes}")
+    if options.max_restarts and nnodes > 1:
+        # A restart must restart every node together, at the same count (torchrun's agents
+        # agree on it through the rendezvous); meshrun's nodes do not coordinate, so a node
+        # would restart alone and wait for peers that finished or never come back.
+        parser.error(
+            f"--max-restarts {options.max_restarts} with --nnodes {nnodes}: restarts are "
+            "supported on one node only (meshrun's nodes cannot restart together)"
+        )
+    if options.rdzv_backend == "c10d" and nnodes > 1:
+        ns.node_rank = 0  # a placeholder: c10d numbers the nodes as they join (launch)
     if not 0 <= ns.node_rank < nnodes:
         parser.error(
             f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, got {ns.node_rank}"
@@ -371,6 +426,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
                 "--backend mpi starts one node's ranks; for several nodes run mpiexec (with "
                 "-hosts/--host) or srun directly: see docs/backends/mpi.md"
             )
+        refuse_under_mpiexec(options, parser.error)
         from meshcomm._mpiexec import find_mpiexec
 
         mpiexec = ns.mpiexec or find_mpiexec()
@@ -382,6 +438,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     elif ns.mpiexec is not None:
         parser.error("--mpiexec is only used with --backend mpi")
 
+    if options.rdzv_endpoint and not ns.standalone:
+        ns.master_addr, ns.master_port = _endpoint(options, parser)
     if ns.standalone or (nnodes == 1 and ns.master_addr is None and ns.master_port is None):
         master_addr, master_port, bind_addr = "127.0.0.1", 0, "127.0.0.1"
     elif nnodes == 1:
@@ -396,6 +454,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         # Node 0 may be reached through any of its addresses (as torchrun's store allows).
         bind_addr = "0.0.0.0"
 
+    if ns.start_method == "forkserver":  # torchrun's flag value; not a meshrun method
+        ns.start_method = "spawn"
     start_method = ns.start_method or os.environ.get(START_METHOD_VARIABLE) or "fork"
     if start_method not in START_METHODS:
         parser.error(
@@ -431,7 +491,17 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         backend=ns.backend,
         mpiexec=mpiexec,
         secret=secret,
+        torchrun=options,
     )
+
+
+def _endpoint(options: TorchrunOptions, parser: argparse.ArgumentParser) -> tuple[str, int]:
+    """``--rdzv-endpoint`` as the store's address and port (torchrun's default ports)."""
+    default = DEFAULT_C10D_PORT if options.rdzv_backend == "c10d" else DEFAULT_MASTER_PORT
+    try:
+        return parse_endpoint(options.rdzv_endpoint, "--rdzv-endpoint", default)
+    except FlagError as exc:
+        parser.error(str(exc))
 
 
 def _job_secret(ns: argparse.Namespace, nnodes: int, parser: argparse.ArgumentParser) -> str | None:
@@ -458,7 +528,13 @@ def _job_secret(ns: argparse.Namespace, nnodes: int, parser: argparse.ArgumentPa
 
 
 def child_environment(
-    config: LaunchConfig, local_rank: int, master_port: int, base: dict[str, str] | None = None
+    config: LaunchConfig,
+    local_rank: int,
+    master_port: int,
+    base: dict[str, str] | None = None,
+    *,
+    restart: int = 0,
+    rank_log_dir: str | None = None,
 ) -> dict[str, str]:
     """Return the environment of one rank: ``base`` plus the torchrun variables.
 
@@ -467,6 +543,9 @@ def child_environment(
         local_rank: the rank's index on this node, in ``[0, nproc_per_node)``.
         master_port: the store's actual port (the kernel's pick when configured as 0).
         base: the environment to extend; None means ``os.environ``.
+        restart: ``TORCHELASTIC_RESTART_COUNT``: how many times this node's ranks restarted.
+        rank_log_dir: the rank's ``attempt_<n>/<local_rank>`` log directory, if any; its
+            ``error.json`` becomes ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record`` writes it).
 
     Example:
         >>> cfg = parse_args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
@@ -493,6 +572,7 @@ def child_environment(
             run_id=config.run_id,
         )
     )
+    torchrun_environment(env, config.torchrun, local_rank, restart, rank_log_dir)
     env["PYTHONUNBUFFERED"] = "1"
     if config.secret:
         env[SECRET_ENV] = config.secret
@@ -533,13 +613,16 @@ class _Sink:
 
 
 class _Lines:
-    """Split one rank's pipe into lines, prefix them, and write them to a sink."""
+    """Split one rank's pipe into lines; prefix them for the console, copy them to log files."""
 
-    def __init__(self, fd: int, sink: _Sink, prefix: bytes, tail: deque[bytes] | None) -> None:
+    def __init__(
+        self, fd: int, sink: _Sink, prefix: bytes, tail: deque[bytes] | None, route: Route
+    ) -> None:
         self.fd = fd
         self._sink = sink
         self._prefix = prefix
         self._tail = tail
+        self._route = route
         self._partial = b""
 
     def read(self) -> bool:
@@ -571,7 +654,11 @@ class _Lines:
             return
         if self._tail is not None:
             self._tail.extend(lines)
-        self._sink.write(b"".join(self._prefix + line + b"\n" for line in lines))
+        problem = self._route.write(lines, self._prefix)
+        if problem is not None:
+            _Sink(sys.stderr).say(problem)
+        if self._route.console:
+            self._sink.write(b"".join(self._prefix + line + b"\n" for line in lines))
 
 
 class _Forked:
@@ -616,8 +703,10 @@ class _Rank:
 
 
 @contextmanager
-def _catch_stop_signals() -> Iterator[tuple[int | None, list[int], dict[int, Any]]]:
-    """Record SIGINT/SIGTERM/SIGHUP instead of dying, and wake the loop through a pipe.
+def _catch_stop_signals(
+    signals: Sequence[int] = STOP_SIGNALS,
+) -> Iterator[tuple[int | None, list[int], dict[int, Any]]]:
+    """Record ``signals`` (SIGINT/SIGTERM/SIGHUP) instead of dying; wake the loop by a pipe.
 
     Yields the pipe's read end (None outside the main thread, where Python allows no signal
     handlers; Ctrl-C then stops meshrun the default way and the ranks die with it), the
@@ -636,9 +725,7 @@ def _catch_stop_signals() -> Iterator[tuple[int | None, list[int], dict[int, Any
         received.append(signum)
 
     old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-    old_handlers: dict[int, Any] = {
-        signum: signal.signal(signum, record) for signum in _STOP_SIGNALS
-    }
+    old_handlers: dict[int, Any] = {signum: signal.signal(signum, record) for signum in signals}
     try:
         yield rfd, received, old_handlers
     finally:
@@ -652,9 +739,15 @@ def _catch_stop_signals() -> Iterator[tuple[int | None, list[int], dict[int, Any
 class _Supervisor:
     """Start this node's ranks, forward their output, and stop them all on the first failure."""
 
-    def __init__(self, config: LaunchConfig, master_port: int) -> None:
+    def __init__(
+        self, config: LaunchConfig, master_port: int, logs: AttemptLogs, restart: int = 0
+    ) -> None:
         self.config = config
         self.master_port = master_port
+        self.logs = logs
+        self.restart = restart
+        # Pipes whenever meshrun must see the lines: to prefix, filter or copy them to files.
+        self.piped = config.prefix or logs.plan.active
         self.out = _Sink(sys.stdout)
         self.err = _Sink(sys.stderr)
         self.ranks: list[_Rank] = []
@@ -672,12 +765,18 @@ class _Supervisor:
         cfg = self.config
         for local_rank in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + local_rank
-            env = child_environment(cfg, local_rank, self.master_port)
+            env = child_environment(
+                cfg,
+                local_rank,
+                self.master_port,
+                restart=self.restart,
+                rank_log_dir=self.logs.rank_dir(local_rank),
+            )
             proc: subprocess.Popen[bytes] | _Forked
             if signals is not None:
                 proc = self._fork(env, signals)
             else:
-                pipe = subprocess.PIPE if cfg.prefix else None
+                pipe = subprocess.PIPE if self.piped else None
                 proc = subprocess.Popen(
                     supervised_command(cfg.command),
                     env=env,
@@ -693,16 +792,21 @@ class _Supervisor:
             self.ranks.append(entry)
             if pidfd is not None:
                 self.selector.register(pidfd, selectors.EVENT_READ, None)
-            if cfg.prefix:
-                assert proc.stdout is not None and proc.stderr is not None  # PIPE above
-                tag = f"[rank{rank}] ".encode()
-                for stream, sink, tail in (
-                    (proc.stdout, self.out, None),
-                    (proc.stderr, self.err, entry.tail),
-                ):
-                    fd = stream.fileno()
-                    os.set_blocking(fd, False)
-                    self.selector.register(fd, selectors.EVENT_READ, _Lines(fd, sink, tag, tail))
+            if self.piped:
+                self._watch_output(entry, local_rank)
+
+    def _watch_output(self, entry: _Rank, local_rank: int) -> None:
+        proc = entry.proc
+        assert proc.stdout is not None and proc.stderr is not None  # piped by start()
+        tag = f"[rank{entry.rank}] ".encode() if self.config.prefix else b""
+        for stream, sink, tail, which in (
+            (proc.stdout, self.out, None, STD_OUT),
+            (proc.stderr, self.err, entry.tail, STD_ERR),
+        ):
+            fd = stream.fileno()
+            os.set_blocking(fd, False)
+            lines = _Lines(fd, sink, tag, tail, self.logs.route(local_rank, which))
+            self.selector.register(fd, selectors.EVENT_READ, lines)
 
     def _fork(self, env: dict[str, str], signals: dict[int, Any]) -> _Forked:
         cfg = self.config
@@ -710,7 +814,7 @@ class _Supervisor:
             target, args, module = cfg.script_file, cfg.command[2:], False
         else:  # (python, "-m", module, *args)
             target, args, module = cfg.command[2], cfg.command[3:], True
-        pipes = (os.pipe(), os.pipe()) if cfg.prefix else None
+        pipes = (os.pipe(), os.pipe()) if self.piped else None
         try:
             pid = fork_rank(
                 target=target,
@@ -741,7 +845,8 @@ class _Supervisor:
         if wakeup_fd is not None:
             self.selector.register(wakeup_fd, selectors.EVENT_READ, "wakeup")
         with_pidfds = all(r.pidfd is not None for r in self.ranks)
-        tick = _TICK_WITH_PIDFD if with_pidfds else _TICK_WITHOUT_PIDFD
+        # Without pidfds an exit is only seen by polling: --monitor-interval sets how often.
+        tick = _TICK_WITH_PIDFD if with_pidfds else self.config.torchrun.monitor_interval
         while True:
             self._reap()
             while received:
@@ -852,6 +957,7 @@ class _Supervisor:
                 key.data.flush()
             self.selector.unregister(key.fd)
         self.selector.close()
+        self.logs.close()
         for entry in self.ranks:
             if entry.pidfd is not None:
                 os.close(entry.pidfd)
@@ -872,6 +978,7 @@ class _Supervisor:
                 self._show_tail(what, entry)
             else:
                 self.err.say(what)
+            self._name_error_file(entry)
         stopped = [r for r in self.ranks if r.sent is not None]
         if not stopped:
             return
@@ -889,6 +996,15 @@ class _Supervisor:
                 f"killed {_rank_list(killed)} with SIGKILL: still running "
                 f"{self.config.grace_period:g} s after SIGTERM ({cause})"
             )
+
+    def _name_error_file(self, entry: _Rank) -> None:
+        # torch's @record writes the exception to TORCHELASTIC_ERROR_FILE; torchrun reports it.
+        rank_dir = self.logs.rank_dir(
+            entry.rank - self.config.node_rank * self.config.nproc_per_node
+        )
+        path = None if rank_dir is None else os.path.join(rank_dir, "error.json")
+        if path is not None and os.path.exists(path):
+            self.err.say(f"rank {entry.rank} wrote its error to {path}")
 
     def _show_tail(self, what: str, entry: _Rank) -> None:
         lines = list(entry.tail)
@@ -924,9 +1040,10 @@ def _prepare_fork(config: LaunchConfig, port: int) -> bool:
 def launch(config: LaunchConfig) -> int:
     """Run this node's ranks until they all exit; return ``meshrun``'s exit status.
 
-    Node 0 hosts the store for the whole job. Returns 0 if every rank exited 0; otherwise
-    the first failing rank's status (its exit code, or 128 + the signal that killed it), or
-    128 + N if ``meshrun`` itself received signal N (130 for Ctrl-C).
+    Node 0 hosts the store for the whole job (with ``--rdzv-backend c10d``: the node that
+    owns the endpoint). Returns 0 if every rank exited 0; otherwise the first failing rank's
+    status (its exit code, or 128 + the signal that killed it) in the last attempt
+    (``--max-restarts``), or 128 + N if ``meshrun`` itself received signal N (130 for Ctrl-C).
 
     Example:
         >>> import sys
@@ -937,33 +1054,107 @@ def launch(config: LaunchConfig) -> int:
     """
     if config.backend == "mpi":
         return _launch_mpi(config)
-    with _catch_stop_signals() as (wakeup_fd, received, old_handlers):
-        server = None
-        port = config.master_port
-        if config.node_rank == 0:
-            try:
-                server = _host_store(config)
-            except (MeshCommError, OSError) as exc:  # names the address and the reason
-                print(f"meshrun: {exc}", file=sys.stderr)
-                return 1
-            port = server.port
-        supervisor = _Supervisor(config, port)
+    with _catch_stop_signals(config.torchrun.stop_signals) as (wakeup_fd, received, handlers):
         try:
-            try:
-                fork = _prepare_fork(config, port)
-                if server is not None and not fork:
-                    server.start()
-                supervisor.start(old_handlers if fork else None)
-                if server is not None and fork:
-                    server.start()
-            except OSError as exc:
-                supervisor.err.say(f"cannot start {config.command[0]!r}: {exc}")
-                supervisor.abort()
-                return 1
-            return supervisor.run(wakeup_fd, received)
+            config, server, serving = _rendezvous(config)
+        except (MeshCommError, OSError) as exc:  # names the address and the reason
+            print(f"meshrun: {exc}", file=sys.stderr)
+            return 1
+        port = server.port if server is not None else config.master_port
+        run_logs = RunLogs(config.torchrun.logs, config.run_id)
+        to_start = None if serving else server
+        try:
+            restart = 0
+            while True:
+                attempt = _Supervisor(
+                    config, port, run_logs.attempt(restart, config.nproc_per_node), restart
+                )
+                if restart == 0 and run_logs.run_dir is not None:
+                    attempt.err.say(f"rank log files in {run_logs.run_dir}")
+                status = _run_attempt(attempt, to_start, handlers, wakeup_fd, received)
+                to_start = None
+                if not should_restart(status, attempt.stop_signal, restart, config):
+                    return status
+                if received:  # a stop signal after the last rank exited: do not start again
+                    return 128 + received[0]
+                restart += 1
+                attempt.err.say(
+                    f"restarting this node's {config.nproc_per_node} ranks "
+                    f"(restart {restart} of --max-restarts {config.torchrun.max_restarts})"
+                )
+                if server is not None:
+                    # Restarts are single-node: a fresh, empty store per attempt, so the new
+                    # ranks never see the old world's keys, and (its thread gone) they can be
+                    # forked again instead of spawned.
+                    server.close()
+                    server = None
+                    try:
+                        server = to_start = _host_store(config)
+                    except (MeshCommError, OSError) as exc:  # the port was taken meanwhile
+                        attempt.err.say(f"cannot restart: {exc}")
+                        return status
+                    port = server.port
         finally:
             if server is not None:
                 server.close()
+
+
+def should_restart(
+    status: int, stop_signal: int | None, restart: int, config: LaunchConfig
+) -> bool:
+    """Whether a finished attempt is followed by another (``--max-restarts``).
+
+    A failure restarts the whole local group while restarts remain; success, or a signal
+    meshrun itself received (Ctrl-C), ends the run.
+
+    Example:
+        >>> cfg = parse_args(["--max-restarts", "1", "x.py"])
+        >>> should_restart(1, None, 0, cfg), should_restart(1, None, 1, cfg)
+        (True, False)
+    """
+    return status != 0 and stop_signal is None and restart < config.torchrun.max_restarts
+
+
+def _rendezvous(config: LaunchConfig) -> tuple[LaunchConfig, StoreServer | None, bool]:
+    """Bind (and, for c10d, join through) the store.
+
+    Returns:
+        The config with this node's rank, the store this launcher hosts (or None), and
+        whether that store already serves (c10d's host serves so that the others can join).
+    """
+    if config.torchrun.rdzv_backend == "c10d" and config.nnodes > 1:
+        from meshcomm._node_rdzv import join_nodes
+
+        config, server = join_nodes(config)
+        return config, server, True
+    if config.node_rank == 0:
+        return config, _host_store(config), False
+    return config, None, False
+
+
+def _run_attempt(
+    supervisor: _Supervisor,
+    server: StoreServer | None,
+    handlers: dict[int, Any],
+    wakeup_fd: int | None,
+    received: list[int],
+) -> int:
+    """Start one attempt's ranks (forked when this process may fork) and supervise them."""
+    config = supervisor.config
+    try:
+        # A store already serving (a restart, or c10d) has a thread: _prepare_fork says no, and
+        # the ranks are spawned.
+        fork = _prepare_fork(config, supervisor.master_port)
+        if server is not None and not fork:
+            server.start()
+        supervisor.start(handlers if fork else None)
+        if server is not None and fork:
+            server.start()
+    except OSError as exc:
+        supervisor.err.say(f"cannot start {config.command[0]!r}: {exc}")
+        supervisor.abort()
+        return 1
+    return supervisor.run(wakeup_fd, received)
 
 
 def _launch_mpi(config: LaunchConfig) -> int:
@@ -972,7 +1163,7 @@ def _launch_mpi(config: LaunchConfig) -> int:
     if config.mpiexec is None:  # parse_args finds one; a hand-made LaunchConfig may not
         print("meshrun: backend 'mpi' needs an mpiexec (LaunchConfig.mpiexec)", file=sys.stderr)
         return 1
-    with _catch_stop_signals() as (_, received, _handlers):
+    with _catch_stop_signals(config.torchrun.stop_signals) as (_, received, _handlers):
         return launch_mpiexec(
             config.mpiexec,
             config.nproc_per_node,
