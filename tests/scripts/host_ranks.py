@@ -52,6 +52,9 @@ def main(mode: str) -> None:
     if mode == "check":
         meshcomm.shutdown()
     elif out["error"] is not None:
+        # The node's other ranks time out on their own clock; leaving at once would let meshrun
+        # stop them (SIGTERM) before they report what they saw.
+        time.sleep(float(os.environ.get("MESHCOMM_TIMEOUT", "3")) + 2.0)
         sys.exit(1)  # as a training script would: meshrun then stops the node, non-zero
 
 
