@@ -238,6 +238,8 @@ _COUNTER = struct.Struct("!Q")
 # The direction byte of the MAC input: a frame reflected back to its sender fails.
 _TO_SERVER = b"\x01"
 _TO_CLIENT = b"\x02"
+# Frames up to this size are joined with the MAC's prefix and hashed in one call.
+_JOIN_BELOW = 4096
 
 # Largest body each opcode may carry; checked before the body is buffered.
 _REQUEST_LIMITS = {
@@ -314,9 +316,16 @@ class _Mac:
 
     def tag(self, *parts: bytes | bytearray | memoryview) -> bytes:
         """The tag of the next frame, given as consecutive parts."""
-        mac = self.begin()
-        for part in parts:
-            mac.update(part)
+        if sum(len(part) for part in parts) <= _JOIN_BELOW:
+            # The common small frame: one update call instead of several (a measurable
+            # share of a ~20 µs round trip); a large frame is never copied for its MAC.
+            mac = self._base.copy()
+            mac.update(b"".join((self._direction, _COUNTER.pack(self._counter), *parts)))
+            self._counter += 1
+        else:
+            mac = self.begin()
+            for part in parts:
+                mac.update(part)
         return bytes(mac.digest()[:TAG_BYTES])
 
 
