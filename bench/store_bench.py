@@ -21,8 +21,11 @@ authenticated unless ``--auth off``. Part 3 times ``--connects`` connections (TC
 constructor to ready, then close) against a server in its own process: the handshake's cost.
 Part 4 (``big``) times ``set`` and ``get`` of one 64 MiB value against a server in its own
 process, and HMAC-SHA256 over 64 MiB in this process: what the frame MAC of an authenticated
-connection costs on the largest frame. ``--parts`` picks the parts (default: the first
-three); ``--layouts`` the layouts of part 1.
+connection costs on the largest frame. Part 5 (``wire``) times the protocol code alone,
+without sockets: a SET and a GET of 16 bytes framed, parsed and answered in memory by
+``wire.ClientConnection`` and ``wire.ServerConnection``, with and without frame MACs, so the
+MAC's CPU cost per request shows apart from the kernel's noise. ``--parts`` picks the parts
+(default: the first three); ``--layouts`` the layouts of part 1.
 
 The script imports whichever meshcomm ``PYTHONPATH`` names, so one copy of it can time two
 checkouts side by side (the server process inherits the environment).
@@ -146,6 +149,53 @@ def big_value(repeats: int, secret: str) -> dict[str, float]:
     return {name: statistics.median(samples) for name, samples in took.items()}
 
 
+def wire_round_trips(ops: int, repeats: int, mac: bool) -> dict[str, float]:
+    """Microseconds per request (best of ``repeats``) for SET and GET through the sans-IO code.
+
+    Each request is framed by the client, parsed by the server, answered, and the answer
+    parsed by the client: all the per-request protocol work of both sides, no sockets.
+    """
+    from meshcomm._secret import session_key
+    from meshcomm.store import wire
+
+    client, server = wire.ClientConnection(), wire.ServerConnection()
+    nonce = b"n" * 32
+    server.receive_data(client.hello(0, nonce if mac else None))
+    server.next_event()
+    if mac:
+        key = session_key(b"secret", b"store", nonce, nonce)
+        server.expect_proof(key)
+        client.receive_data(wire.challenge(nonce, b"p" * 32))
+        client.next_event()
+        server.receive_data(client.answer(b"p" * 32, key))
+        server.next_event()
+        client.receive_data(wire.auth_result(True))
+    else:
+        client.receive_data(wire.hello_reply(True))
+    client.next_event()
+    value = b"v" * 16
+    cases = {
+        "set": (wire.OP_SET, wire.body_key_value(b"k", value), (wire.ok(0),)),
+        "get": (wire.OP_GET, wire.body_get(1.0, b"k"), (wire.ok_header(0, 16), value)),
+    }
+    result = {}
+    for name, (op, body, answer) in cases.items():
+        best = float("inf")
+        for _ in range(repeats):
+            out = bytearray()
+            start = time.perf_counter()
+            for _ in range(ops):
+                server.receive_data(client.request(op, 0, body))
+                server.next_event()
+                server.frame(out, *answer)
+                client.receive_data(out)
+                out.clear()
+                client.next_event()
+            best = min(best, (time.perf_counter() - start) / ops)
+        result[name] = best * 1e6
+    return result
+
+
 def hmac_64mib(repeats: int) -> float:
     """Seconds (median) for HMAC-SHA256 over 64 MiB: one side's MAC work on the largest frame."""
     data = os.urandom(64 * 1024 * 1024)
@@ -262,7 +312,7 @@ def main() -> int:
     parser.add_argument(
         "--parts",
         default="ops,connect,rendezvous",
-        help="comma-separated: ops,connect,rendezvous,big",
+        help="comma-separated: ops,connect,rendezvous,big,wire",
     )
     parser.add_argument(
         "--layouts", default="any,pinned,master", help="part 1's layouts: any,pinned,master"
@@ -289,6 +339,15 @@ def main() -> int:
             took = big_value(args.repeats, secrets[mode])
             print(f"auth {mode:<4} set {took['set']:7.3f}  get {took['get']:7.3f}")
         print(f"HMAC-SHA256 over 64 MiB in this process: {hmac_64mib(args.repeats):.3f} s")
+
+    if "wire" in parts:
+        print(
+            f"\n# protocol code alone (sans-IO), microseconds per request, best of {args.repeats}"
+        )
+        for mac in (False, True):
+            took = wire_round_trips(args.ops, args.repeats, mac)
+            label = "on " if mac else "off"
+            print(f"frame MACs {label}  set {took['set']:6.2f}  get {took['get']:6.2f}")
 
     if "connect" in parts:
         print(f"\n# connect + handshake, {args.connects} connections, microseconds")
