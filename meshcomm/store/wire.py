@@ -234,10 +234,11 @@ _HEADER_BOOL = struct.Struct("!IIBB")
 _U32 = struct.Struct("!I")
 _I64 = struct.Struct("!q")
 _F64 = struct.Struct("!d")
-_COUNTER = struct.Struct("!Q")
-# The direction byte of the MAC input: a frame reflected back to its sender fails.
-_TO_SERVER = b"\x01"
-_TO_CLIENT = b"\x02"
+# The MAC input's prefix: the direction byte (a frame reflected back to its sender fails)
+# and the frame's counter in that direction (a replayed, reordered or dropped frame fails).
+_MAC_PREFIX = struct.Struct("!BQ")
+_TO_SERVER = 1
+_TO_CLIENT = 2
 # Frames up to this size are joined with the MAC's prefix and hashed in one call.
 _JOIN_BELOW = 4096
 
@@ -301,7 +302,7 @@ class _Mac:
 
     __slots__ = ("_base", "_counter", "_direction")
 
-    def __init__(self, key: bytes, direction: bytes) -> None:
+    def __init__(self, key: bytes, direction: int) -> None:
         # Keyed once: copy() per frame skips the HMAC key schedule (two SHA-256 blocks).
         self._base = hmac.new(key, digestmod=hashlib.sha256)
         self._direction = direction
@@ -310,23 +311,24 @@ class _Mac:
     def begin(self) -> Any:
         """A fresh HMAC over the direction and the next counter (then counted as used)."""
         mac = self._base.copy()
-        mac.update(self._direction + _COUNTER.pack(self._counter))
+        mac.update(_MAC_PREFIX.pack(self._direction, self._counter))
         self._counter += 1
         return mac
 
     def tag(self, *parts: bytes | bytearray | memoryview) -> bytes:
         """The tag of the next frame, given as consecutive parts."""
-        if sum(len(part) for part in parts) <= _JOIN_BELOW:
-            # The common small frame: one update call instead of several (a measurable
-            # share of a ~20 µs round trip); a large frame is never copied for its MAC.
-            mac = self._base.copy()
-            mac.update(b"".join((self._direction, _COUNTER.pack(self._counter), *parts)))
-            self._counter += 1
-        else:
+        size = len(parts[0]) if len(parts) == 1 else sum(map(len, parts))
+        if size > _JOIN_BELOW:  # a large frame is never copied for its MAC
             mac = self.begin()
             for part in parts:
                 mac.update(part)
-        return bytes(mac.digest()[:TAG_BYTES])
+            return mac.digest()[:TAG_BYTES]
+        # The common small frame: one update call instead of several, a measurable share
+        # of a round trip of ~20 µs.
+        mac = self._base.copy()
+        mac.update(b"".join((_MAC_PREFIX.pack(self._direction, self._counter), *parts)))
+        self._counter += 1
+        return mac.digest()[:TAG_BYTES]
 
 
 def _check_tag(expected: bytes, got: bytes | bytearray | memoryview, side: str) -> None:
