@@ -3,7 +3,9 @@
 The server runs in its own process (``python -m meshcomm.store``, with a secret and a 64 MiB
 budget) while this process drives frames at it: valid requests of every opcode (timeouts of
 any float, keys from a small pool), mutated valid frames, truncated frames, oversized length
-prefixes, random bytes, mangled handshakes, slowloris and half-open connections. Afterwards
+prefixes, random bytes, mangled handshakes, slowloris and half-open connections. Frames are
+tagged with the connection's MAC as a member's would be (mutated before tagging, so the
+parser behind the MAC is fuzzed), and some are changed after tagging (the MAC). Afterwards
 the server must still be running, have logged no internal error, have stayed within its
 budget (peak RSS), and serve a well-behaved client. ``make test`` drives 300,000 frames; the
 ``slow`` test drives 10**6.
