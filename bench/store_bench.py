@@ -1,7 +1,8 @@
 """Benchmark the TCPStore: small-op throughput for one client, and a 512-client rendezvous.
 
 Run:  .venv/bin/python bench/store_bench.py [--ops 20000] [--clients 512] [--procs 8]
-          [--auth both|on|off] [--connects 2000]
+          [--auth both|on|off] [--connects 2000] [--parts ops,connect,rendezvous,big]
+          [--layouts any,pinned,master]
 
 Part 1 starts ``python -m meshcomm.store`` as a separate process and times one client doing
 small set/get/add operations over loopback, twice: with the client and server free to run on
@@ -18,11 +19,23 @@ included) and how long the rendezvous took.
 HMAC-SHA256 challenge-response of the handshake), without, or both side by side; part 2 runs
 authenticated unless ``--auth off``. Part 3 times ``--connects`` connections (TCPStore
 constructor to ready, then close) against a server in its own process: the handshake's cost.
+Part 4 (``big``) times ``set`` and ``get`` of one 64 MiB value against a server in its own
+process, and HMAC-SHA256 over 64 MiB in this process: what the frame MAC of an authenticated
+connection costs on the largest frame. Part 5 (``wire``) times the protocol code alone,
+without sockets: a SET and a GET of 16 bytes framed, parsed and answered in memory by
+``wire.ClientConnection`` and ``wire.ServerConnection``, with and without frame MACs, so the
+MAC's CPU cost per request shows apart from the kernel's noise. ``--parts`` picks the parts
+(default: the first three); ``--layouts`` the layouts of part 1.
+
+The script imports whichever meshcomm ``PYTHONPATH`` names, so one copy of it can time two
+checkouts side by side (the server process inherits the environment).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import multiprocessing
 import os
 import statistics
@@ -81,11 +94,18 @@ def time_ops(store: TCPStore, ops: int, repeats: int) -> dict[str, float]:
     return rates
 
 
-def throughput(ops: int, repeats: int, secret: str) -> list[tuple[str, dict[str, float]]]:
+def throughput(
+    ops: int,
+    repeats: int,
+    secret: str,
+    which: frozenset[str] = frozenset({"any", "pinned", "master"}),
+) -> list[tuple[str, dict[str, float]]]:
     rows = []
     can_pin = hasattr(os, "sched_setaffinity") and _has_taskset()
-    layouts: list[tuple[str, int | None]] = [("server process, any CPU", None)]
-    if can_pin:
+    layouts: list[tuple[str, int | None]] = []
+    if "any" in which:
+        layouts.append(("server process, any CPU", None))
+    if can_pin and "pinned" in which:
         layouts.append(("server process, same CPU", 0))
     original = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     for label, cpu in layouts:
@@ -100,10 +120,91 @@ def throughput(ops: int, repeats: int, secret: str) -> list[tuple[str, dict[str,
             if original is not None:
                 os.sched_setaffinity(0, original)
             stop_server(proc)
-    master = TCPStore(HOST, 0, is_master=True, timeout=30, secret=secret)
-    rows.append(("server thread in-process, any CPU", time_ops(master, ops, repeats)))
-    master.close()
+    if "master" in which:
+        master = TCPStore(HOST, 0, is_master=True, timeout=30, secret=secret)
+        rows.append(("server thread in-process, any CPU", time_ops(master, ops, repeats)))
+        master.close()
     return rows
+
+
+def big_value(repeats: int, secret: str) -> dict[str, float]:
+    """Seconds (median of ``repeats``) to set and to get one 64 MiB value."""
+    value = os.urandom(64 * 1024 * 1024)
+    proc, port = start_server(None, secret)
+    try:
+        store = TCPStore(HOST, port, timeout=60, secret=secret)
+        took: dict[str, list[float]] = {"set": [], "get": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            store.set("big", value)
+            took["set"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            got = store.get("big")
+            took["get"].append(time.perf_counter() - start)
+            assert len(got) == len(value)
+            del got
+        store.close()
+    finally:
+        stop_server(proc)
+    return {name: statistics.median(samples) for name, samples in took.items()}
+
+
+def wire_round_trips(ops: int, repeats: int, mac: bool) -> dict[str, float]:
+    """Microseconds per request (best of ``repeats``) for SET and GET through the sans-IO code.
+
+    Each request is framed by the client, parsed by the server, answered, and the answer
+    parsed by the client: all the per-request protocol work of both sides, no sockets.
+    """
+    from meshcomm._secret import session_key
+    from meshcomm.store import wire
+
+    client, server = wire.ClientConnection(), wire.ServerConnection()
+    nonce = b"n" * 32
+    server.receive_data(client.hello(0, nonce if mac else None))
+    server.next_event()
+    if mac:
+        key = session_key(b"secret", b"store", nonce, nonce)
+        server.expect_proof(key)
+        client.receive_data(wire.challenge(nonce, b"p" * 32))
+        client.next_event()
+        server.receive_data(client.answer(b"p" * 32, key))
+        server.next_event()
+        client.receive_data(wire.auth_result(True))
+    else:
+        client.receive_data(wire.hello_reply(True))
+    client.next_event()
+    value = b"v" * 16
+    cases = {
+        "set": (wire.OP_SET, wire.body_key_value(b"k", value), (wire.ok(0),)),
+        "get": (wire.OP_GET, wire.body_get(1.0, b"k"), (wire.ok_header(0, 16), value)),
+    }
+    result = {}
+    for name, (op, body, answer) in cases.items():
+        best = float("inf")
+        for _ in range(repeats):
+            out = bytearray()
+            start = time.perf_counter()
+            for _ in range(ops):
+                server.receive_data(client.request(op, 0, body))
+                server.next_event()
+                server.frame(out, *answer)
+                client.receive_data(out)
+                out.clear()
+                client.next_event()
+            best = min(best, (time.perf_counter() - start) / ops)
+        result[name] = best * 1e6
+    return result
+
+
+def hmac_64mib(repeats: int) -> float:
+    """Seconds (median) for HMAC-SHA256 over 64 MiB: one side's MAC work on the largest frame."""
+    data = os.urandom(64 * 1024 * 1024)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        hmac.new(b"k" * 32, data, hashlib.sha256).digest()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def handshakes(connects: int, secret: str) -> dict[str, float]:
@@ -208,25 +309,57 @@ def main() -> int:
         "--auth", choices=("both", "on", "off"), default="both", help="with a job secret or not"
     )
     parser.add_argument("--connects", type=int, default=2000, help="connections timed in part 3")
+    parser.add_argument(
+        "--parts",
+        default="ops,connect,rendezvous",
+        help="comma-separated: ops,connect,rendezvous,big,wire",
+    )
+    parser.add_argument(
+        "--layouts", default="any,pinned,master", help="part 1's layouts: any,pinned,master"
+    )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     modes = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.auth]
     secrets = {"off": "", "on": SECRET}
 
-    print(f"# one client, small ops (16-byte values), ops/s, median of {args.repeats} runs")
-    print(f"{'layout':<42}{'set':>10}{'get':>10}{'add':>10}")
-    for mode in modes:
-        for label, rates in throughput(args.ops, args.repeats, secrets[mode]):
-            name = f"{label}, auth {mode}"
-            print(f"{name:<42}{rates['set']:>10,.0f}{rates['get']:>10,.0f}{rates['add']:>10,.0f}")
+    if "ops" in parts:
+        print(f"# one client, small ops (16-byte values), ops/s, median of {args.repeats} runs")
+        print(f"{'layout':<42}{'set':>10}{'get':>10}{'add':>10}")
+        layouts = frozenset(args.layouts.split(","))
+        for mode in modes:
+            for label, rates in throughput(args.ops, args.repeats, secrets[mode], layouts):
+                name = f"{label}, auth {mode}"
+                print(
+                    f"{name:<42}{rates['set']:>10,.0f}{rates['get']:>10,.0f}{rates['add']:>10,.0f}"
+                )
 
-    print(f"\n# connect + handshake, {args.connects} connections, microseconds")
-    for mode in modes:
-        took = handshakes(args.connects, secrets[mode])
+    if "big" in parts:
+        print(f"\n# one 64 MiB value, server process, seconds, median of {args.repeats} runs")
+        for mode in modes:
+            took = big_value(args.repeats, secrets[mode])
+            print(f"auth {mode:<4} set {took['set']:7.3f}  get {took['get']:7.3f}")
+        print(f"HMAC-SHA256 over 64 MiB in this process: {hmac_64mib(args.repeats):.3f} s")
+
+    if "wire" in parts:
         print(
-            f"auth {mode:<4} p50 {took['p50'] * 1e6:8.0f}  p90 {took['p90'] * 1e6:8.0f}  "
-            f"mean {took['mean'] * 1e6:8.0f}"
+            f"\n# protocol code alone (sans-IO), microseconds per request, best of {args.repeats}"
         )
+        for mac in (False, True):
+            took = wire_round_trips(args.ops, args.repeats, mac)
+            label = "on " if mac else "off"
+            print(f"frame MACs {label}  set {took['set']:6.2f}  get {took['get']:6.2f}")
 
+    if "connect" in parts:
+        print(f"\n# connect + handshake, {args.connects} connections, microseconds")
+        for mode in modes:
+            took = handshakes(args.connects, secrets[mode])
+            print(
+                f"auth {mode:<4} p50 {took['p50'] * 1e6:8.0f}  p90 {took['p90'] * 1e6:8.0f}  "
+                f"mean {took['mean'] * 1e6:8.0f}"
+            )
+
+    if "rendezvous" not in parts:
+        return 0
     secret = "" if args.auth == "off" else SECRET
     print(f"\n# rendezvous: {args.clients} clients in {args.procs} processes, auth {args.auth}")
     res = rendezvous(args.clients, args.procs, secret)

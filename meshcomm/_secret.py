@@ -5,7 +5,8 @@ A job's ranks share one secret (``MESHCOMM_SECRET``, made per job by meshrun, sp
 ends of a connection prove they know it without sending it: each side sends a fresh random
 nonce, then each answers with ``HMAC-SHA256(secret, role | context | client nonce | server
 nonce)``, a different role on each side, so neither answer can be replayed, reflected or
-relayed to another connection.
+relayed to another connection. Both sides then derive the same per-connection
+:func:`session_key` (the role ``session``), which MACs the frames that follow.
 
 Example:
     >>> secret = b"0" * 32
@@ -34,6 +35,7 @@ __all__ = [
     "new_nonce",
     "new_secret",
     "proof",
+    "session_key",
 ]
 
 #: The environment variable that carries the job's secret to its ranks.
@@ -88,6 +90,23 @@ def proof(secret: bytes, role: bytes, context: bytes, first: bytes, second: byte
         mac.update(len(part).to_bytes(4, "big"))
         mac.update(part)
     return mac.digest()
+
+
+def session_key(secret: bytes, context: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The key that MACs one connection's frames after its handshake: 32 bytes.
+
+    ``HMAC-SHA256(secret, "session" | context | client nonce | server nonce)``, length-prefixed
+    as in :func:`proof`. The role ``session`` keeps it apart from both proofs (which cross the
+    wire in the clear), and the fresh nonces make it differ on every connection, so a frame
+    recorded on one connection is worthless on another.
+
+    Example:
+        >>> secret, nc, ns = b"0" * 32, b"1" * 32, b"2" * 32
+        >>> key = session_key(secret, b"store", nc, ns)
+        >>> len(key), key == proof(secret, b"client", b"store", nc, ns)
+        (32, False)
+    """
+    return proof(secret, b"session", context, client_nonce, server_nonce)
 
 
 def matches(expected: bytes, got: bytes) -> bool:

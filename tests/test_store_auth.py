@@ -131,7 +131,7 @@ def _handshake(sock: socket.socket, secret: str, register: bool = False) -> tupl
     hello = conn.hello(wire.FLAG_REGISTER if register else 0, mine)
     sock.sendall(hello)
     head = _recv(sock, wire.HELLO_SIZE)
-    assert struct.unpack("!4sHH", head)[2] == wire.HELLO_CHALLENGE
+    assert struct.unpack("!4sHH", head)[2] == wire.HELLO_CHALLENGE_MAC
     rest = _recv(sock, 2 * NONCE_BYTES)
     theirs = rest[:NONCE_BYTES]
     answer = proof(secret.encode(), b"client", b"store", mine, theirs)
@@ -165,7 +165,7 @@ def test_replayed_handshake_fails(server: StoreServer) -> None:
     replay = socket.create_connection((HOST, server.port), timeout=TIMEOUT)
     try:
         replay.sendall(hello)
-        assert struct.unpack("!4sHH", _recv(replay, wire.HELLO_SIZE))[2] == wire.HELLO_CHALLENGE
+        assert struct.unpack("!4sHH", _recv(replay, wire.HELLO_SIZE))[2] == wire.HELLO_CHALLENGE_MAC
         _recv(replay, 2 * NONCE_BYTES)
         replay.sendall(answer + wire.request(wire.OP_GET, 1, wire.body_get(1.0, b"k")))
         assert _closed_by_peer(replay)

@@ -3,7 +3,9 @@
 The server runs in its own process (``python -m meshcomm.store``, with a secret and a 64 MiB
 budget) while this process drives frames at it: valid requests of every opcode (timeouts of
 any float, keys from a small pool), mutated valid frames, truncated frames, oversized length
-prefixes, random bytes, mangled handshakes, slowloris and half-open connections. Afterwards
+prefixes, random bytes, mangled handshakes, slowloris and half-open connections. Frames are
+tagged with the connection's MAC as a member's would be (mutated before tagging, so the
+parser behind the MAC is fuzzed), and some are changed after tagging (the MAC). Afterwards
 the server must still be running, have logged no internal error, have stayed within its
 budget (peak RSS), and serve a well-behaved client. ``make test`` drives 300,000 frames; the
 ``slow`` test drives 10**6.
@@ -22,7 +24,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcomm._secret import NONCE_BYTES, SECRET_ENV, new_nonce, new_secret, proof
+from meshcomm._secret import (
+    NONCE_BYTES,
+    SECRET_ENV,
+    new_nonce,
+    new_secret,
+    proof,
+    session_key,
+)
 from meshcomm.store import TCPStore, wire
 
 HOST = "127.0.0.1"
@@ -77,17 +86,23 @@ def _oversized(rng: random.Random) -> bytes:
     return struct.pack("!IIB", rng.choice((2**32 - 1, 2**31, 64 * 2**20 + 2**17)), 1, op)
 
 
-def _handshake(sock: socket.socket, secret: bytes) -> bool:
-    """Authenticate as a member of the job; False if the server closed the connection."""
+def _handshake(sock: socket.socket, secret: bytes) -> wire.ClientConnection | None:
+    """Authenticate as a member of the job; None if the server closed the connection.
+
+    The connection returned tags (``seal``) the frames sent after it, as a member's would.
+    """
     conn = wire.ClientConnection()
     mine = new_nonce()
     sock.sendall(conn.hello(0, mine))
     reply = sock.recv(wire.HELLO_SIZE + 2 * NONCE_BYTES, socket.MSG_WAITALL)
     if len(reply) < wire.HELLO_SIZE + 2 * NONCE_BYTES:
-        return False
+        return None
     theirs = reply[wire.HELLO_SIZE : wire.HELLO_SIZE + NONCE_BYTES]
-    sock.sendall(conn.answer(proof(secret, b"client", b"store", mine, theirs)))
-    return len(sock.recv(wire.HELLO_SIZE, socket.MSG_WAITALL)) == wire.HELLO_SIZE
+    key = session_key(secret, b"store", mine, theirs)
+    sock.sendall(conn.answer(proof(secret, b"client", b"store", mine, theirs), key))
+    if len(sock.recv(wire.HELLO_SIZE, socket.MSG_WAITALL)) != wire.HELLO_SIZE:
+        return None
+    return conn
 
 
 def _drain(sock: socket.socket) -> None:
@@ -108,24 +123,33 @@ def _session(rng: random.Random, port: int, secret: bytes, pool: list[bytes]) ->
             sock.sendall(hello + rng.randbytes(rng.randint(0, 200)))
             _drain(sock)
             return 1
-        if not _handshake(sock, secret):
+        conn = _handshake(sock, secret)
+        if conn is None:
             return 0
+        # Frames are tagged as a member would, so the parser behind the MAC is what is
+        # fuzzed; the mutated-after-tagging, oversized and random kinds test the MAC itself.
+        seal = conn.seal
         if kind < 0.70:  # a long run of valid frames: they all get answers
-            frames = rng.choices(pool, k=2000)
-        elif kind < 0.85:  # valid frames with mutated ones among them: dropped at the first bad
+            frames = [seal(frame) for frame in rng.choices(pool, k=2000)]
+        elif kind < 0.80:  # valid frames with mutated ones among them: dropped at the first bad
             frames = rng.choices(pool, k=200)
             for i in rng.sample(range(len(frames)), 3):
                 frames[i] = _mutated(rng, frames[i])
+            frames = [seal(frame) for frame in frames]
+        elif kind < 0.85:  # a bit or byte changed after tagging: dropped there (MAC)
+            frames = [seal(frame) for frame in rng.choices(pool, k=200)]
+            i = rng.randrange(len(frames))
+            frames[i] = _mutated(rng, frames[i])
         elif kind < 0.92:  # a truncated frame at the end, then the connection closes
-            frames = [*rng.choices(pool, k=100)]
-            last = rng.choice(pool)
-            frames.append(last[: rng.randrange(1, len(last))] if len(last) > 1 else last)
+            frames = [seal(frame) for frame in rng.choices(pool, k=100)]
+            last = seal(rng.choice(pool))
+            frames.append(last[: rng.randrange(1, len(last))])
         elif kind < 0.96:  # an oversized length prefix
-            frames = [*rng.choices(pool, k=50), _oversized(rng)]
+            frames = [*(seal(frame) for frame in rng.choices(pool, k=50)), _oversized(rng)]
         elif kind < 0.97:  # large values: the memory budget refuses what would not fit
             big = rng.randbytes(1024) * (rng.choice((1, 4, 8)) * 1024)
             frames = [
-                wire.request(wire.OP_SET, i, wire.body_key_value(f"big{i}".encode(), big))
+                conn.request(wire.OP_SET, i, wire.body_key_value(f"big{i}".encode(), big))
                 for i in range(rng.randint(1, 12))
             ]
         else:  # random bytes

@@ -285,7 +285,7 @@ def test_authenticated_handshake_under_any_split(
         server.receive_data(chunk)
     hello = server.next_event()
     assert hello == wire.Hello(
-        wire.PROTOCOL_VERSION, wire.FLAG_REGISTER | wire.FLAG_AUTH, client_nonce
+        wire.PROTOCOL_VERSION, wire.FLAG_REGISTER | wire.FLAG_AUTH | wire.FLAG_MAC, client_nonce
     )
     server.expect_proof()
     assert server.in_handshake
@@ -293,7 +293,7 @@ def test_authenticated_handshake_under_any_split(
     for chunk in _split(wire.challenge(server_nonce, server_proof), cuts):
         client.receive_data(chunk)
     assert client.next_event() == wire.HelloReply(
-        wire.PROTOCOL_VERSION, wire.HELLO_CHALLENGE, server_nonce, server_proof
+        wire.PROTOCOL_VERSION, wire.HELLO_CHALLENGE_MAC, server_nonce, server_proof
     )
     # The proof alone (nothing may follow it before the verdict), then requests.
     events = _events(server, _split(client.answer(client_proof), cuts))
@@ -319,7 +319,9 @@ def test_bytes_after_the_hello_before_the_proof_are_refused() -> None:
     server = wire.ServerConnection()
     nonce = b"n" * 32
     server.receive_data(wire.ClientConnection().hello(0, nonce))
-    assert server.next_event() == wire.Hello(wire.PROTOCOL_VERSION, wire.FLAG_AUTH, nonce)
+    assert server.next_event() == wire.Hello(
+        wire.PROTOCOL_VERSION, wire.FLAG_AUTH | wire.FLAG_MAC, nonce
+    )
     server.expect_proof()
     server.receive_data(b"p" * 32 + wire.request(wire.OP_PING, 1, b""))
     with pytest.raises(ProtocolError, match="where a 32-byte proof was expected"):

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from meshcomm._secret import job_secret, matches, new_nonce, proof
+from meshcomm._secret import job_secret, matches, new_nonce, proof, session_key
 from meshcomm.errors import InvalidArgument, ProtocolError, StoreError
 from meshcomm.store import wire
 from meshcomm.store.memory import KVState
@@ -487,7 +487,7 @@ class StoreServer:
                 continue
             self._unpark(waiter, stale=False)
             conn = waiter.conn
-            conn.out += wire.timed_out(waiter.rid, self._state.missing(waiter.keys))
+            conn.proto.frame(conn.out, wire.timed_out(waiter.rid, self._state.missing(waiter.keys)))
             self._flush(conn)
 
     def _on_readable(self, conn: _Conn) -> None:
@@ -524,7 +524,7 @@ class StoreServer:
                         self._account(conn)
                     self._handle(conn, event.rid, event.op, event.args)
                 elif isinstance(event, wire.Refused):
-                    conn.out += wire.error(event.rid, event.reason)
+                    conn.proto.frame(conn.out, wire.error(event.rid, event.reason))
                 elif isinstance(event, wire.ClientProof):
                     self._on_proof(conn, event.proof)
                     if conn.sock.fileno() < 0:
@@ -533,8 +533,14 @@ class StoreServer:
                     self._on_hello(conn, event)
                     if conn.sock.fileno() < 0:
                         return
+        except wire.MacError as exc:
+            self._drop(conn, str(exc), logging.WARNING)
         except ProtocolError as exc:
-            self._drop(conn, f"protocol violation: {exc}")
+            # A member of the job does not break the protocol: on an authenticated connection
+            # this is most likely a changed header (checked before its MAC can be), so it is
+            # as loud as a failed MAC.
+            level = logging.WARNING if proto.authenticated else logging.INFO
+            self._drop(conn, f"protocol violation: {exc}", level)
 
     def _on_hello(self, conn: _Conn, hello: wire.Hello) -> None:
         if hello.version != wire.PROTOCOL_VERSION:
@@ -562,10 +568,21 @@ class StoreServer:
             )
             self._refuse(conn, wire.hello_reply(False, wire.HELLO_AUTH_REQUIRED))
             return
+        if not hello.flags & wire.FLAG_MAC:
+            # Authenticated frames without MACs could be changed on the way: refused, so that
+            # an attacker who clears the flag gets nothing either.
+            _log.warning(
+                "store %s: refusing %s: it authenticates without frame MACs (a meshcomm "
+                "older than this store, or a tampered hello)",
+                self.address,
+                conn.peer,
+            )
+            self._refuse(conn, wire.hello_reply(False, wire.HELLO_MAC_REQUIRED))
+            return
         mine = new_nonce()
         conn.nonces = (hello.nonce, mine)
         conn.out += wire.challenge(mine, proof(secret, b"server", b"store", hello.nonce, mine))
-        conn.proto.expect_proof()
+        conn.proto.expect_proof(session_key(secret, b"store", hello.nonce, mine))
 
     def _on_proof(self, conn: _Conn, answer: bytes) -> None:
         assert self._secret is not None  # only a server with a secret asks for a proof
@@ -617,15 +634,15 @@ class StoreServer:
             else:
                 self._answer(conn, rid, op, keys)
         elif op == wire.OP_CHECK:
-            out += wire.ok_bool(rid, not state.missing(args[0]))
+            conn.proto.frame(out, wire.ok_bool(rid, not state.missing(args[0])))
         elif op == wire.OP_DELETE:
             before = self._entry(args[0])
-            out += wire.ok_bool(rid, state.delete(args[0]))
+            conn.proto.frame(out, wire.ok_bool(rid, state.delete(args[0])))
             self._stored -= before
         elif op == wire.OP_NUM_KEYS:
-            out += wire.ok_int(rid, len(state.data))
+            conn.proto.frame(out, wire.ok_int(rid, len(state.data)))
         else:  # OP_PING; the decoder admits no other opcode
-            out += wire.ok(rid)
+            conn.proto.frame(out, wire.ok(rid))
 
     def _write(self, conn: _Conn, rid: int, op: int, args: tuple[Any, ...]) -> None:
         """SET, ADD, COMPARE_SET, MULTI_SET, APPEND: refused if the result would not fit."""
@@ -648,33 +665,36 @@ class StoreServer:
         before = sum(self._entry(k) for k in keys)
         used = self.memory_used
         if after > before and used + after - before > self._memory_limit:
-            conn.out += wire.error(
-                rid,
-                f"{wire.OP_NAMES[op]} of key {keys[0][:64]!r} refused: {after - before} more "
-                f"bytes would take the store to {used + after - before} bytes, over its "
-                f"memory budget of {self._memory_limit} bytes ({self._usage()}); "
-                f"raise it with memory_limit= or {MEMORY_ENV}",
+            conn.proto.frame(
+                conn.out,
+                wire.error(
+                    rid,
+                    f"{wire.OP_NAMES[op]} of key {keys[0][:64]!r} refused: {after - before} more "
+                    f"bytes would take the store to {used + after - before} bytes, over its "
+                    f"memory budget of {self._memory_limit} bytes ({self._usage()}); "
+                    f"raise it with memory_limit= or {MEMORY_ENV}",
+                ),
             )
             return
         out = conn.out
         if op == wire.OP_SET:
             state.data[args[0]] = args[1]
-            out += wire.ok(rid)
+            conn.proto.frame(out, wire.ok(rid))
         elif op == wire.OP_ADD:
             try:
                 total = state.add(args[0], args[1])
             except StoreError as exc:
-                out += wire.error(rid, str(exc))
+                conn.proto.frame(out, wire.error(rid, str(exc)))
                 return
-            out += wire.ok_int(rid, total)
+            conn.proto.frame(out, wire.ok_int(rid, total))
         elif op == wire.OP_COMPARE_SET:
-            out += wire.ok_value(rid, state.compare_set(*args))
+            conn.proto.frame(out, wire.ok_value(rid, state.compare_set(*args)))
         elif op == wire.OP_MULTI_SET:
             state.multi_set(*args)
-            out += wire.ok(rid)
+            conn.proto.frame(out, wire.ok(rid))
         else:
             state.append(args[0], args[1])
-            out += wire.ok(rid)
+            conn.proto.frame(out, wire.ok(rid))
         self._stored += sum(self._entry(k) for k in keys) - before
         if self._waiters:
             for key in keys:
@@ -726,7 +746,7 @@ class StoreServer:
         data = self._state.data
         out = conn.out
         if op == wire.OP_WAIT:
-            out += wire.ok(rid)
+            conn.proto.frame(out, wire.ok(rid))
             return
         if op == wire.OP_GET:
             value = data[keys[0]]
@@ -735,36 +755,44 @@ class StoreServer:
             values = [data[key] for key in keys]
             size = sum(len(v) + 4 for v in values) + 4
             if size > wire.MAX_BODY_BYTES:
-                out += wire.error(
-                    rid,
-                    f"multi_get of {len(keys)} keys totals {size} bytes, over the "
-                    f"{wire.MAX_BODY_BYTES}-byte frame limit; get the keys one at a time",
+                conn.proto.frame(
+                    out,
+                    wire.error(
+                        rid,
+                        f"multi_get of {len(keys)} keys totals {size} bytes, over the "
+                        f"{wire.MAX_BODY_BYTES}-byte frame limit; get the keys one at a time",
+                    ),
                 )
                 return
         used = self.memory_used
         if size > wire.ADMIT_THRESHOLD and used + size > self._memory_limit:
-            out += wire.error(
-                rid,
-                f"{wire.OP_NAMES[op]} reply of {size} bytes refused: it would take the store "
-                f"to {used + size} bytes, over its memory budget of {self._memory_limit} bytes "
-                f"({self._usage()}); read earlier replies first, or raise the budget with "
-                f"memory_limit= or {MEMORY_ENV}",
+            conn.proto.frame(
+                out,
+                wire.error(
+                    rid,
+                    f"{wire.OP_NAMES[op]} reply of {size} bytes refused: it would take the store "
+                    f"to {used + size} bytes, over its memory budget of {self._memory_limit} bytes "
+                    f"({self._usage()}); read earlier replies first, or raise the budget with "
+                    f"memory_limit= or {MEMORY_ENV}",
+                ),
             )
             return
         if op == wire.OP_GET:
             # Header and value appended apart: one copy of a large value, not two.
-            out += wire.ok_header(rid, size)
-            out += value
+            conn.proto.frame(out, wire.ok_header(rid, size), value)
         else:
-            out += wire.ok_values(rid, values)
+            conn.proto.frame(out, wire.ok_values(rid, values))
         self._account(conn)
 
     def _park(self, conn: _Conn, rid: int, op: int, keys: list[bytes], timeout: float) -> None:
         if len(conn.parked) >= _MAX_PARKED:
-            conn.out += wire.error(
-                rid,
-                f"{wire.OP_NAMES[op]} refused: {_MAX_PARKED} blocking requests are already "
-                f"parked on this connection, the most one connection may park",
+            conn.proto.frame(
+                conn.out,
+                wire.error(
+                    rid,
+                    f"{wire.OP_NAMES[op]} refused: {_MAX_PARKED} blocking requests are already "
+                    f"parked on this connection, the most one connection may park",
+                ),
             )
             return
         missing = self._state.missing(keys)
@@ -775,12 +803,15 @@ class StoreServer:
         waiter = _Waiter(conn, rid, op, keys, missing[0], deadline)
         used = self.memory_used
         if used + waiter.cost > self._memory_limit:
-            conn.out += wire.error(
-                rid,
-                f"{wire.OP_NAMES[op]} of {len(keys)} keys refused: parking it costs "
-                f"{waiter.cost} bytes, which would take the store to {used + waiter.cost} "
-                f"bytes, over its memory budget of {self._memory_limit} bytes "
-                f"({self._usage()})",
+            conn.proto.frame(
+                conn.out,
+                wire.error(
+                    rid,
+                    f"{wire.OP_NAMES[op]} of {len(keys)} keys refused: parking it costs "
+                    f"{waiter.cost} bytes, which would take the store to {used + waiter.cost} "
+                    f"bytes, over its memory budget of {self._memory_limit} bytes "
+                    f"({self._usage()})",
+                ),
             )
             return
         self._parked_bytes += waiter.cost
@@ -859,11 +890,11 @@ class StoreServer:
             self._sel.modify(conn.sock, events, conn)
         self._account(conn)
 
-    def _drop(self, conn: _Conn, reason: str | None) -> None:
+    def _drop(self, conn: _Conn, reason: str | None, level: int = logging.INFO) -> None:
         if conn not in self._conns:
             return
         if reason is not None:
-            _log.info("store %s: dropping client %s: %s", self.address, conn.peer, reason)
+            _log.log(level, "store %s: dropping client %s: %s", self.address, conn.peer, reason)
         elif conn.nonces[1]:
             # Challenged, and gone before its proof: a client with another secret finds this
             # server's proof wrong and leaves without giving one (it must not prove itself to

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from meshcomm._secret import SECRET_ENV, job_secret, matches, new_nonce, proof
+from meshcomm._secret import SECRET_ENV, job_secret, matches, new_nonce, proof, session_key
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import (
     InvalidArgument,
@@ -331,6 +331,11 @@ class TCPStore(Store):
             reply = self._handshake_event(sock, conn)
             if not isinstance(reply, wire.HelloReply):
                 raise StoreError(f"the server at {self._address} sent no handshake answer")
+            if reply.status == wire.HELLO_MAC_REQUIRED:
+                raise StoreError(
+                    f"the store at {self._address} requires frame MACs, which this client did "
+                    "not offer: run the same meshcomm version on both sides"
+                )
             if reply.version != wire.PROTOCOL_VERSION or reply.status == wire.HELLO_BAD_VERSION:
                 raise StoreError(
                     f"the store server at {self._address} speaks protocol version "
@@ -354,7 +359,15 @@ class TCPStore(Store):
                         f"the store at {self._address} has no secret (it is unauthenticated), "
                         f"but this client has one ({SECRET_ENV} or secret=): refusing to use it"
                     )
-                if reply.status != wire.HELLO_CHALLENGE:
+                if reply.status == wire.HELLO_CHALLENGE:
+                    # A store from before frame MACs (or a hello reply rewritten on the way):
+                    # its frames could be changed undetected, so it is not used.
+                    raise StoreError(
+                        f"the store at {self._address} authenticates without frame MACs (a "
+                        "meshcomm store older than this client); this client requires them: "
+                        "run the same meshcomm version on both sides"
+                    )
+                if reply.status != wire.HELLO_CHALLENGE_MAC:
                     raise StoreError(
                         f"the store at {self._address} answered the handshake with status "
                         f"{reply.status}"
@@ -366,7 +379,10 @@ class TCPStore(Store):
                         f"secret: the secrets differ (another job's store, a wrong "
                         f"{SECRET_ENV}, or an impostor)"
                     )
-                sock.sendall(conn.answer(proof(secret, b"client", b"store", mine, reply.nonce)))
+                key = session_key(secret, b"store", mine, reply.nonce)
+                sock.sendall(
+                    conn.answer(proof(secret, b"client", b"store", mine, reply.nonce), key)
+                )
                 verdict = self._handshake_event(sock, conn)
                 if not isinstance(verdict, wire.AuthResult) or verdict.status != wire.HELLO_OK:
                     raise StoreAuthError(
@@ -427,7 +443,8 @@ class TCPStore(Store):
             if sock is None:
                 sock = self._connect(register=False)
             self._rid = rid = (self._rid + 1) & 0xFFFFFFFF
-            frame = wire.request(op, rid, body)
+            conn = self._conn
+            frame = conn.request(op, rid, body)
             deadline = time.monotonic() + budget
             try:
                 if self._sock_timeout != budget:
@@ -440,11 +457,17 @@ class TCPStore(Store):
                 raise StoreError(
                     f"sending {wire.OP_NAMES[op]} to the store at {self._address} failed: {exc}"
                 ) from exc
-            conn = self._conn
             first = True
             while True:
                 try:
                     event = conn.next_event()
+                except wire.MacError as exc:
+                    self._disconnect()
+                    raise StoreAuthError(
+                        f"the store at {self._address}: a store frame failed its MAC: the "
+                        f"connection was tampered with (during {wire.OP_NAMES[op]}, keys "
+                        f"{show_keys(keys)})"
+                    ) from exc
                 except ProtocolError as exc:
                     self._disconnect()
                     raise StoreError(
