@@ -12,8 +12,9 @@ numpy array, scalar    as is                          numpy array
 torch CPU tensor       ``t.numpy()`` (shared memory)  ``torch.from_numpy`` (shared memory)
 torch CUDA tensor      cupy via DLPack (no copy),     ``torch.from_dlpack`` on the same
                        else a host copy               device (else a host-to-device copy)
-jax array, one device  ``np.asarray`` (no copy on     ``jax.device_put`` on the same device
-                       CPU), cupy via DLPack on GPU
+jax array, one device  ``np.asarray`` (no copy on     CPU: ``jnp.asarray`` (small) or DLPack
+                       CPU), cupy via DLPack on GPU   (from 64 KiB); GPU: DLPack, on the
+                                                      same device
 cupy array             as is                          cupy array
 =====================  =============================  ====================================
 
