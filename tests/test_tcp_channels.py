@@ -8,15 +8,13 @@ right bytes. Nothing may be left in ``/dev/shm`` once the ranks are gone.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
-import time
 import traceback
 from typing import Any
 
 import numpy as np
 import pytest
+from spawned import run_spawned
 
 from meshcomm.backends.tcp import TcpCommunicator, cma, shm, shm_engine
 from meshcomm.backends.tcp.transport import Transport, channel_kind
@@ -48,28 +46,11 @@ def _child(name: str, rank: int, size: int, port: int, env: dict[str, str], out:
 def run(name: str, envs: list[dict[str, str]]) -> tuple[list[Any], str]:
     """Run ``name`` on ``len(envs)`` ranks; return the results and the job's token (hex)."""
     size = len(envs)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     with StoreServer("127.0.0.1", 0) as server:
-        procs = [
-            ctx.Process(target=_child, args=(name, r, size, server.port, envs[r], out))
-            for r in range(size)
-        ]
-        for p in procs:
-            p.start()
-        results: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + 120
-        try:
-            while len(results) < size:
-                rank, status, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
-                results[rank] = (status, value)
-        except queue.Empty:
-            pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} never answered")
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+        port = server.port
+        results = run_spawned(
+            _child, size, lambda r, out: (name, r, size, port, envs[r], out), join=30
+        )
         client = TCPStore("127.0.0.1", server.port, timeout=10)
         token = client.get("meshcomm/tcp/token").hex()
         client.close()

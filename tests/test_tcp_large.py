@@ -10,14 +10,13 @@ is ever made. Two processes hold one 2.1 GiB buffer each.
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
 import time
 import traceback
 from typing import Any
 
 import numpy as np
 import pytest
+from spawned import run_spawned
 
 from meshcomm.backends.tcp import TcpCommunicator
 from meshcomm.reduction import ReduceOp
@@ -79,25 +78,13 @@ def _child(rank: int, port: int, out: Any) -> None:
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_messages_over_2_gib(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHCOMM_TRANSPORT", transport)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     with StoreServer("127.0.0.1", 0) as server:
-        procs = [ctx.Process(target=_child, args=(r, server.port, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results: dict[int, Any] = {}
-        try:
-            while len(results) < 2:
-                rank, status, value = out.get(timeout=600)
-                assert status == "ok", f"rank {rank}: {value}"
-                results[rank] = value
-        except queue.Empty:
-            pytest.fail(f"ranks {sorted({0, 1} - set(results))} never answered")
-        finally:
-            for p in procs:
-                p.join(60)
-                if p.is_alive():
-                    p.kill()
+        port = server.port
+        answers = run_spawned(_child, 2, lambda r, out: (r, port, out), seconds=600, join=60)
+    results: dict[int, Any] = {}
+    for rank, (status, value) in answers.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        results[rank] = value
     kind = "shm" if transport == "auto" else "tcp"
     for rank, result in results.items():
         assert result["message"] and result["all_reduce"], (rank, result)

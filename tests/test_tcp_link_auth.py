@@ -8,9 +8,7 @@ transports.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import queue
 import socket
 import threading
 import time
@@ -19,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from spawned import run_spawned
 
 from meshcomm.backends.tcp import TcpCommunicator, wire
 from meshcomm.backends.tcp.link_auth import connector_proof, link_context, new_nonce
@@ -68,34 +67,17 @@ def run_ranks(
     name: str, secrets: list[str], *args: Any, timeout: float = TIMEOUT, server: Any = None
 ) -> dict[int, tuple[str, Any]]:
     """Run ``name`` on one spawned rank per secret; return {rank: (status, value)}."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     own = server is None
     if own:
         server = StoreServer("127.0.0.1", 0).start()
-    size = len(secrets)
-    procs = [
-        ctx.Process(target=_child, args=(name, r, secrets, server.port, timeout, out, args))
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + 120
+    port = server.port
     try:
-        while len(results) < size:
-            rank, status, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            results[rank] = (status, value)
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} never answered")
+        return run_spawned(
+            _child, len(secrets), lambda r, out: (name, r, secrets, port, timeout, out, args)
+        )
     finally:
-        for p in procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
         if own:
             server.close()
-    return results
 
 
 def ok_values(results: dict[int, tuple[str, Any]]) -> list[Any]:

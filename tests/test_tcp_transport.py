@@ -6,9 +6,7 @@ tests that move data in every shape also run with ``MESHCOMM_TRANSPORT=tcp`` (so
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import socket
 import threading
 import time
@@ -18,6 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from spawned import run_spawned
 
 from meshcomm.backends.tcp import TcpCommunicator, wire
 from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport, addr_key
@@ -60,28 +59,11 @@ def _child(
 
 def run_ranks(name: str, size: int, *args: Any, timeout: float = TIMEOUT) -> list[Any]:
     """Run module function ``name`` on ``size`` spawned ranks; return results in rank order."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     with StoreServer("127.0.0.1", 0) as server:
-        procs = [
-            ctx.Process(target=_child, args=(name, r, size, server.port, timeout, out, args))
-            for r in range(size)
-        ]
-        for p in procs:
-            p.start()
-        results: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + 90
-        try:
-            while len(results) < size:
-                rank, status, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
-                results[rank] = (status, value)
-        except queue.Empty:
-            pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} never answered")
-        finally:
-            for p in procs:
-                p.join(15)
-                if p.is_alive():
-                    p.kill()
+        port = server.port
+        results = run_spawned(
+            _child, size, lambda r, out: (name, r, size, port, timeout, out, args), seconds=90
+        )
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
     assert not errors, "\n".join(errors)
     return [results[r][1] for r in range(size)]
