@@ -14,9 +14,10 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from polling import wait_until
 
 from meshcomm._secret import NONCE_BYTES, SECRET_ENV, new_nonce, proof
 from meshcomm.errors import StoreAuthError, StoreError
@@ -31,15 +32,6 @@ SECRET = "correct horse battery staple"
 def server() -> Iterator[StoreServer]:
     with StoreServer(HOST, 0, secret=SECRET) as srv:
         yield srv
-
-
-def _wait_until(predicate: Callable[[], bool], within: float = 3.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _recv(sock: socket.socket, size: int) -> bytes:
@@ -98,7 +90,7 @@ def test_wrong_secret_fails_fast_and_the_server_serves_on(
         TCPStore(HOST, server.port, timeout=30, secret="wrong")
     assert time.monotonic() - started < 2.0  # not retried until the timeout
     # The server logs the attempt: the client left without a proof.
-    assert _wait_until(lambda: "left during authentication" in caplog.text)
+    assert wait_until(lambda: "left during authentication" in caplog.text)
     with TCPStore(HOST, server.port, timeout=TIMEOUT, secret=SECRET) as store:
         store.set("still", "serving")
         assert store.get("still") == b"serving"
@@ -121,7 +113,7 @@ def test_client_without_a_secret_is_refused(
         pytest.raises(StoreAuthError, match=r"requires authentication.*MESHCOMM_SECRET"),
     ):
         TCPStore(HOST, server.port, timeout=TIMEOUT, secret="")
-    assert _wait_until(lambda: "has no secret" in caplog.text)
+    assert wait_until(lambda: "has no secret" in caplog.text)
 
 
 def _handshake(sock: socket.socket, secret: str, register: bool = False) -> tuple[bytes, bytes]:
@@ -151,7 +143,7 @@ def test_wrong_proof_is_refused_and_logged(
             assert _closed_by_peer(sock)
         finally:
             sock.close()
-        assert _wait_until(lambda: "wrong proof" in caplog.text)
+        assert wait_until(lambda: "wrong proof" in caplog.text)
 
 
 def test_replayed_handshake_fails(server: StoreServer) -> None:
@@ -223,11 +215,11 @@ def test_half_open_and_slowloris_connections_are_dropped() -> None:
                 sock = socket.create_connection((HOST, server.port), timeout=TIMEOUT)
                 sock.sendall(stalls[i % 3])
                 socks.append(sock)
-            assert _wait_until(lambda: server.num_connections == 200)
+            assert wait_until(lambda: server.num_connections == 200)
             assert server.memory_used - base < 200 * 64
             with TCPStore(HOST, server.port, timeout=TIMEOUT, secret=SECRET) as store:
                 store.set("k", "v")  # served meanwhile
-            assert _wait_until(lambda: server.num_connections == 0, within=5.0)
+            assert wait_until(lambda: server.num_connections == 0, within=5.0)
             assert all(_closed_by_peer(sock, 1.0) for sock in socks[:10])
         finally:
             for sock in socks:

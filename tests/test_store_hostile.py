@@ -14,11 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from meshcomm.errors import InvalidArgument, StoreError, StoreTimeout
 from meshcomm.store import StoreServer, TCPStore, wire
@@ -44,15 +45,6 @@ def _raw(server: StoreServer) -> socket.socket:
         assert chunk, "the server closed the connection during the handshake"
         reply += chunk
     return sock
-
-
-def _wait_until(predicate: Callable[[], bool], within: float = 3.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.mark.parametrize(
@@ -94,7 +86,7 @@ def test_any_timeout_float_leaves_the_server_serving(
             assert (rid, status) == (1, wire.STATUS_OK)
     finally:
         hostile.close()
-    assert _wait_until(lambda: server.num_connections == 0)
+    assert wait_until(lambda: server.num_connections == 0)
     with TCPStore(HOST, server.port, timeout=TIMEOUT) as good:
         good.set("after", b"1")
 
@@ -158,7 +150,7 @@ def test_budget_refuses_a_set_with_a_clear_error_and_serves_on() -> None:
             assert store.delete_key("b")
             store.set("b", b"y" * MiB)
             assert len(store.get("b")) == MiB
-        assert _wait_until(lambda: server.memory_used < MiB + 4096)
+        assert wait_until(lambda: server.memory_used < MiB + 4096)
 
 
 def test_budget_counts_many_small_keys() -> None:
@@ -182,7 +174,7 @@ def test_budget_refuses_big_replies_to_readers_that_do_not_read() -> None:
         try:
             for sock in socks:
                 sock.sendall(wire.request(wire.OP_GET, 7, wire.body_get(5.0, b"big")))
-            assert _wait_until(lambda: server.memory_used > 40 * MiB)
+            assert wait_until(lambda: server.memory_used > 40 * MiB)
             time.sleep(0.2)
             assert server.memory_used <= server.memory_limit
             statuses = []
@@ -196,7 +188,7 @@ def test_budget_refuses_big_replies_to_readers_that_do_not_read() -> None:
         finally:
             for sock in socks:
                 sock.close()
-        assert _wait_until(lambda: server.memory_used < 16 * MiB + 4096)
+        assert wait_until(lambda: server.memory_used < 16 * MiB + 4096)
 
 
 def test_parked_requests_per_connection_are_capped(server: StoreServer) -> None:
@@ -284,7 +276,7 @@ def test_eight_unread_gets_of_64_mib_stay_in_budget(server_process: tuple[int, i
     with TCPStore(HOST, port, timeout=30) as store:
         assert store.delete_key("big")
         store.set("after", b"1")
-    assert _wait_until(lambda: _rss_mib(pid) - base < 48, within=5), _rss_mib(pid) - base
+    assert wait_until(lambda: _rss_mib(pid) - base < 48, within=5), _rss_mib(pid) - base
 
 
 def test_eight_partial_48_mib_sets_stay_in_budget(server_process: tuple[int, int]) -> None:
@@ -317,7 +309,7 @@ def test_eight_partial_48_mib_sets_stay_in_budget(server_process: tuple[int, int
         for sock in socks:
             sock.close()
     # Released after close: the issue measured 71 MiB kept.
-    assert _wait_until(lambda: _rss_mib(pid) - base < 24, within=5), _rss_mib(pid) - base
+    assert wait_until(lambda: _rss_mib(pid) - base < 24, within=5), _rss_mib(pid) - base
     with TCPStore(HOST, port, timeout=30) as store:
         store.set("big", b"b" * (32 * MiB))
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
+from polling import wait_until
 
 from meshcomm.errors import InvalidArgument, StoreError, StoreTimeout
 from meshcomm.store import MAX_VALUE_BYTES, StoreServer, TCPStore, wire
@@ -57,15 +58,6 @@ def _closed_by_peer(sock: socket.socket, within: float = 3.0) -> bool:
     except TimeoutError:
         return False
     return False
-
-
-def _wait_until(predicate: Callable[[], bool], within: float = 3.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _free_port() -> int:
@@ -111,7 +103,7 @@ def test_malformed_client_is_dropped_alone(server: StoreServer, name: str) -> No
     assert good.get("after") == b"2"
     good.close()
     fresh.close()
-    assert _wait_until(lambda: server.num_connections == 0)
+    assert wait_until(lambda: server.num_connections == 0)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +116,7 @@ def test_truncated_then_closed_client_is_forgotten(server: StoreServer, payload:
     bad = _raw(server)
     bad.sendall(payload)
     bad.close()
-    assert _wait_until(lambda: server.num_connections == 1)
+    assert wait_until(lambda: server.num_connections == 1)
     good.set("k", b"v")
     assert good.get("k") == b"v"
     good.close()
@@ -136,7 +128,7 @@ def test_port_scan_burst_does_not_disturb(server: StoreServer) -> None:
         socket.create_connection((HOST, server.port), timeout=TIMEOUT).close()
     good.set("k", b"v")
     assert good.get("k") == b"v"
-    assert _wait_until(lambda: server.num_connections == 1)
+    assert wait_until(lambda: server.num_connections == 1)
     good.close()
 
 
@@ -178,7 +170,7 @@ def test_flooding_client_that_never_reads_does_not_stall_others(server: StoreSer
         flood.recv(1 << 20)
         assert server.buffered_bytes < 16 << 20
     flood.close()
-    assert _wait_until(lambda: server.num_connections == 1)
+    assert wait_until(lambda: server.num_connections == 1)
     good.close()
     assert sent > 0
 
