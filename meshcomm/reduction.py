@@ -8,7 +8,15 @@ import numpy as np
 
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["ReduceOp", "check_op_dtype", "combine", "parse_op"]
+__all__ = [
+    "OP_KINDS",
+    "PRIMITIVE_OPS",
+    "PRIMITIVE_OP_KINDS",
+    "ReduceOp",
+    "check_op_dtype",
+    "combine",
+    "parse_op",
+]
 
 
 class ReduceOp(str, enum.Enum):
@@ -48,6 +56,29 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 
 _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _ORDERED = {ReduceOp.MIN, ReduceOp.MAX}
+_INEXACT_ONLY = {ReduceOp.AVG, ReduceOp.PREMUL_SUM}
+
+#: The ops backends implement; avg and premul_sum are composed from sum above them.
+PRIMITIVE_OPS = frozenset(_UFUNCS)
+
+
+def _defined(op: ReduceOp, kind: str) -> bool:
+    if op in _ORDERED:
+        return kind != "c"  # complex numbers have no order
+    if op in _BITWISE:
+        return kind in "biu"
+    if op in _INEXACT_ONLY:
+        return kind in "fcV"
+    return True
+
+
+#: Every (op, dtype kind) pair a reduction is defined for (kind ``V``: ml_dtypes' bfloat16
+#: and float8 types). The one statement of the rules: the group and ops layers and the
+#: backends' fast paths test membership, a set lookup where ``check_op_dtype`` would format
+#: a dtype name, and ``check_op_dtype`` says why a pair is missing.
+OP_KINDS = frozenset((op, kind) for op in ReduceOp for kind in "biufcV" if _defined(op, kind))
+#: The pairs of :data:`OP_KINDS` whose op is primitive: what a backend may be handed.
+PRIMITIVE_OP_KINDS = frozenset(pair for pair in OP_KINDS if pair[0] in PRIMITIVE_OPS)
 
 
 def parse_op(op: str | ReduceOp) -> ReduceOp:
@@ -89,6 +120,8 @@ def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
     """
     dtype = np.dtype(dtype)
     kind = dtype.kind  # the name only when raising: numpy builds it in Python, per call
+    if (op, kind) in OP_KINDS:
+        return
     if op in _ORDERED and kind == "c":
         raise TypeError(
             f"reduce op {op.value!r} is not defined for {dtype.name} (complex numbers have no "
@@ -96,7 +129,7 @@ def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
         )
     if op in _BITWISE and kind not in "biu":
         raise TypeError(f"reduce op {op.value!r} needs a bool or integer dtype, got {dtype.name}")
-    if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and kind not in "fcV":
+    if op in _INEXACT_ONLY and kind not in "fcV":
         raise TypeError(
             f"reduce op {op.value!r} needs a float or complex dtype, got {dtype.name}; "
             "use 'sum' and divide"

@@ -32,7 +32,7 @@ from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
 from meshcomm.ops._resolve import Axis, AxisName, resolve
 from meshcomm.ops.pytree import Kernel, run
-from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
+from meshcomm.reduction import OP_KINDS, ReduceOp, check_op_dtype, parse_op
 
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
@@ -103,8 +103,6 @@ class _Reduce(Kernel):
 
 
 _ORDERED = (ReduceOp.MIN, ReduceOp.MAX)
-_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
-_INEXACT_ONLY = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
 
 #: Native-order dtypes a reduction takes as they are (bool, which psum and pmean sum as
@@ -115,13 +113,7 @@ _REDUCIBLE = frozenset(SUPPORTED_DTYPES) - {np.dtype(np.bool_)}
 
 def _allowed(op: ReduceOp, kind: str) -> bool:
     """A cheap pre-check of ``check_op_dtype`` (which formats names: slow on a hot path)."""
-    if op in _ORDERED:
-        return kind != "c"
-    if op in _BITWISE:
-        return kind in "biu"
-    if op in _INEXACT_ONLY:
-        return kind in "fcV"
-    return True
+    return (op, kind) in OP_KINDS
 
 
 def _reduce(

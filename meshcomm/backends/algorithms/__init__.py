@@ -53,7 +53,7 @@ import numpy as np
 from meshcomm.backends.algorithms import _bcast, _gather, _reduce
 from meshcomm.backends.link import Link
 from meshcomm.errors import InvalidArgument
-from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
+from meshcomm.reduction import PRIMITIVE_OP_KINDS, ReduceOp, check_op_dtype, parse_op
 
 __all__ = [
     "ALGORITHMS",
@@ -233,33 +233,9 @@ def _check_same_dtype(rank: int, where: str, send: np.ndarray, recv: np.ndarray)
         )
 
 
-# (op, dtype kind) pairs a primitive op is defined for; anything else takes the slow path,
-# which raises with the reason. check_op_dtype formats dtype names, too slow for every call.
-_PRIMITIVE = (
-    ReduceOp.SUM,
-    ReduceOp.PROD,
-    ReduceOp.MIN,
-    ReduceOp.MAX,
-    ReduceOp.BAND,
-    ReduceOp.BOR,
-    ReduceOp.BXOR,
-)
-
-
-def _defined(op: ReduceOp, kind: str) -> bool:
-    if op in (ReduceOp.MIN, ReduceOp.MAX):
-        return kind != "c"
-    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
-        return kind in "biu"
-    return True
-
-
-_OP_KINDS = frozenset((op, kind) for op in _PRIMITIVE for kind in "biufcV" if _defined(op, kind))
-
-
 def _check_op(rank: int, where: str, op: ReduceOp | str, dtype: np.dtype) -> ReduceOp:
     parsed = op if isinstance(op, ReduceOp) else parse_op(op)
-    if (parsed, dtype.kind) in _OP_KINDS:
+    if (parsed, dtype.kind) in PRIMITIVE_OP_KINDS:
         return parsed
     if parsed in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
         raise InvalidArgument(

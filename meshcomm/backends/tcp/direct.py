@@ -48,7 +48,7 @@ import numpy as np
 
 from meshcomm.backends.algorithms._common import block_bounds, combine_into
 from meshcomm.errors import InvalidArgument
-from meshcomm.reduction import ReduceOp
+from meshcomm.reduction import PRIMITIVE_OP_KINDS, ReduceOp
 
 if TYPE_CHECKING:
     from meshcomm.backends.tcp.link import TcpLink
@@ -65,11 +65,6 @@ DIRECT_MIN_BYTES = 256 << 10
 #: it is still in the cache (1 MiB: the L2 of a core here; 64 and 256 KiB pieces were slower
 #: by up to 1.5x at 64 MiB, the per-piece calls dominating, and 4 MiB ones no faster).
 PIECE_BYTES = 1 << 20
-
-_PRIMITIVE = frozenset(
-    (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
-     ReduceOp.BXOR)
-)  # fmt: skip
 
 
 def _env_min() -> int | None:
@@ -101,14 +96,7 @@ def direct_min(size: int) -> int:
 
 
 def _op_ok(op: object, dtype: np.dtype) -> bool:
-    if op not in _PRIMITIVE:
-        return False
-    kind = dtype.kind
-    if op in (ReduceOp.MIN, ReduceOp.MAX):
-        return kind != "c"
-    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
-        return kind in "biu"
-    return True
+    return (op, dtype.kind) in PRIMITIVE_OP_KINDS
 
 
 def _flat(arr: object, writable: bool) -> bool:
