@@ -22,6 +22,7 @@ import functools
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -295,9 +296,11 @@ def _sections() -> list[Callable[[_Suite, ProcessGroup], None]]:
         _check_p2p,
         _check_permute,
         _check_async,
+        _check_repeated_calls,
         _check_many_in_flight,
         _check_argument_errors,
         _check_groups,
+        _check_closed_group,
     ]
 
 
@@ -308,7 +311,9 @@ def run_conformance(group: ProcessGroup, *, quick: bool = False) -> list[str]:
     variants, async variants, 1000 async operations in flight, sub-groups (split by parity,
     ``new_group`` of a subset, interleaved collectives on different groups), 0-d, zero-size,
     strided, reversed, Fortran-order and byte-swapped inputs, that inputs are never
-    modified, and that bad arguments raise before any I/O. Data are small integers from
+    modified, that bad arguments raise before any I/O, that a signature called again
+    (which most backends answer from a cached route) still matches numpy, and that a
+    closed group refuses every collective on every route. Data are small integers from
     ``(seed, rank)``, so float sums are exact and every rank can compute every oracle.
 
     Args:
@@ -583,6 +588,41 @@ def _check_async(s: _Suite, g: ProcessGroup) -> None:
     s.expect("Work.get_future().result()", future.result(timeout=g.timeout), np.full(2, n, float))
 
 
+def _check_repeated_calls(s: _Suite, g: ProcessGroup) -> None:
+    """The same call signature three times in a row, with fresh data each time.
+
+    A group answers a repeated signature from what it learnt on the first call (a cached
+    runner on most backends), so the second and third calls take another route than the
+    first: each must still match numpy, for every dtype, op and root.
+    """
+    n, me = g.size, g.rank
+    for dt in s.dtypes:
+        for op in _valid_ops(dt):
+            if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+                continue  # composed from sum above the backend: the sum rows cover them
+            for shape in ((5,), (5,), (2, 3)):  # a cached runner takes any shape
+                seed = s.seed()
+                xs = [_data(seed, r, shape, dt, op) for r in g.ranks]
+                what = f"repeated all_reduce dtype={dtype_name(dt)} op={op.value} shape={shape}"
+                s.expect(what, s.call(what, g.all_reduce, xs[me], op), _reduce_oracle(op, xs, dt))
+        for _ in range(3):
+            seed = s.seed()
+            xs = [_data(seed, r, (n, 2), dt) for r in g.ranks]
+            name = dtype_name(dt)
+            what = f"repeated all_gather dtype={name} shape={(n, 2)}"
+            s.expect(what, s.call(what, g.all_gather, xs[me], tiled=True), np.concatenate(xs))
+            what = f"repeated all_to_all dtype={name} shape={(n, 2)}"
+            s.expect(what, s.call(what, g.all_to_all, xs[me]), np.stack([x[me] for x in xs]))
+            if dt.kind != "b":
+                total = _reduce_oracle(ReduceOp.SUM, xs, dt)
+                what = f"repeated reduce_scatter dtype={name} shape={(n, 2)}"
+                got = s.call(what, g.reduce_scatter, xs[me], "sum", 0, True)
+                s.expect(what, got, total[me : me + 1])
+            for root in range(n):
+                what = f"repeated broadcast dtype={name} root={root}"
+                s.expect(what, s.call(what, g.broadcast, xs[me], root), xs[root])
+
+
 def _check_many_in_flight(s: _Suite, g: ProcessGroup) -> None:
     n = g.size
     count = 200 if s.quick else 1000
@@ -706,3 +746,31 @@ def _check_subgroup(s: _Suite, sub: ProcessGroup, label: str, seed: int) -> None
     s.expect(f"{label} send/recv", sub.recv(left, tag=3), xs[left])
     work.wait()
     sub.barrier()
+
+
+def _check_closed_group(s: _Suite, g: ProcessGroup) -> None:
+    """A closed group refuses every collective at once, on every route (cached ones too)."""
+    sub = g.new_group()
+    if sub is None:
+        s.fail("new_group() of every rank returned None")
+        return
+    x = _data(s.seed(), s.me, (sub.size, 2), np.float32)
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: sub.all_reduce(x, "sum"),
+        "all_reduce max": lambda: sub.all_reduce(x, "max"),
+        "all_gather": lambda: sub.all_gather(x, tiled=True),
+        "reduce_scatter": lambda: sub.reduce_scatter(x, "sum", 0, True),
+        "all_to_all": lambda: sub.all_to_all(x),
+        "broadcast": lambda: sub.broadcast(x, 0),
+        "barrier": sub.barrier,
+    }
+    for _ in range(2):  # a signature's second call takes its cached route
+        for call in calls.values():
+            call()
+    sub.close()
+    for name, call in calls.items():
+        what = f"{name} on a closed group"
+        start = time.monotonic()
+        s.raises(what, CommError, call)
+        if time.monotonic() - start > 1.0:
+            s.fail(f"{what}: took {time.monotonic() - start:.1f} s to refuse")
