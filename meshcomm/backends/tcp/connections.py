@@ -35,6 +35,7 @@ import time
 from collections import deque
 
 from meshcomm.backends.tcp import wire
+from meshcomm.backends.tcp.abort import AbortRecord
 from meshcomm.backends.tcp.addresses import addr_key, split_address, tune
 from meshcomm.backends.tcp.link_auth import (
     AUTH_REASON,
@@ -169,7 +170,7 @@ class Connections(Matching):
     def _detach_shm(self, peer: int) -> None:
         raise NotImplementedError
 
-    def _publish_abort(self, record: str) -> None:
+    def _publish_abort(self, record: AbortRecord) -> None:
         raise NotImplementedError
 
     def _want_write(self, ch: Channel, on: bool) -> None:
@@ -383,12 +384,12 @@ class Connections(Matching):
         """Drop a link that failed authentication; tell the job; return the error to raise."""
         peer = ch.peer
         self._drop(ch)
-        record = (
+        reason = (
             f"rank {peer} at {ch.address} failed link authentication with rank {self.rank}: {why}"
         )
         # Every rank of the job fails within about a second instead of at its timeout.
-        self._publish_abort(record)
-        return LinkAuthError(f"rank {self.rank}: {record}", peer, ch.address)
+        self._publish_abort(AbortRecord(peer, reason))
+        return LinkAuthError(f"rank {self.rank}: {reason}", peer, ch.address)
 
     def _opened(self, ch: Channel, peer: int, use_shm: bool) -> None:
         self._accepting.discard(ch)

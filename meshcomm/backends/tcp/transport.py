@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import selectors
 import socket
@@ -54,6 +53,7 @@ import numpy as np
 
 from meshcomm._secret import job_secret
 from meshcomm.backends.tcp import cma, wire
+from meshcomm.backends.tcp.abort import AbortRecord
 from meshcomm.backends.tcp.addresses import (
     addr_key,
     choose_host,
@@ -132,7 +132,6 @@ _SOCKET_POLL = 0.01
 _MIXED_MIN, _MIXED_MAX = 0.0001, 0.002
 # ... and with only socket operations pending (the rings are drained for others' sake).
 _MIXED_IDLE = 0.01
-_ABORT_RANK = re.compile(r"rank (\d+)")
 _GOODBYE = "closed its communicator"
 _NO_GOODBYE = "its connection closed (EOF) without a goodbye"
 _NOTE_MAX = 1000
@@ -820,7 +819,7 @@ class Transport(BoardEngine):
         if how is _GOODBYE:
             # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
             reason = f"rank {peer} {how} (seen by rank {self.rank})"
-            self._publish_abort(reason)
+            self._publish_abort(AbortRecord(peer, reason))
             blamed = peer
         else:
             reason, blamed = self._blame(peer, how)
@@ -868,13 +867,14 @@ class Transport(BoardEngine):
             reason = f"rank {peer} left after its own error ({why}; {seen})"
             return self._after(self._read_abort(), peer, how, seen) or (reason, peer)
         reason = f"rank {peer} died: {how} ({seen})"
-        record = self._swap_abort(reason)
+        record = self._swap_abort(AbortRecord(peer, reason))
         if record is None:
             # No store (it may have died with its host): a death this rank saw itself earlier
             # stands in for the abort record.
             earlier = [g for g, went in self._gone.items() if went is _NO_GOODBYE and g != peer]
             if earlier:
-                record = f"rank {earlier[0]} died: {_NO_GOODBYE} (seen by rank {self.rank} earlier)"
+                why = f"rank {earlier[0]} died: {_NO_GOODBYE} (seen by rank {self.rank} earlier)"
+                record = AbortRecord(earlier[0], why)
         return self._after(record, peer, how, seen) or (reason, peer)
 
     def _note_leaving(self, exc: CommError) -> None:
@@ -891,30 +891,33 @@ class Transport(BoardEngine):
         if record is None:
             return None
         seen = f"seen by rank {self.rank}"
-        if _record_rank(record, self.size) == peer:
+        if record.rank == peer:
             return PeerError(f"rank {self.rank}: peer {record} (then: {how}, {seen})", peer)
         found = self._after(record, peer, how, seen)
         return PeerError(f"rank {self.rank}: {found[0]}", found[1]) if found else None
 
-    def _after(self, record: str | None, peer: int, how: str, seen: str) -> tuple[str, int] | None:
+    def _after(
+        self, record: AbortRecord | None, peer: int, how: str, seen: str
+    ) -> tuple[str, int] | None:
         """When ``record`` names a failure of another rank than ``peer`` and this one: the
         report that ``peer`` left after it, and that rank."""
-        first = _record_rank(record, self.size) if record is not None else None
+        first = record.rank if record is not None else None
         if first is None or first in (peer, self.rank):
             return None
         return f"{record}; rank {peer} left after that failure ({how}, {seen})", first
 
-    def _publish_abort(self, record: str) -> None:
+    def _publish_abort(self, record: AbortRecord) -> None:
         self._swap_abort(record)
 
-    def _swap_abort(self, record: str) -> str | None:
+    def _swap_abort(self, record: AbortRecord) -> AbortRecord | None:
         """Publish ``record`` unless a record exists; return the one in the store (None: the
         store did not answer)."""
         current = self._store_op(lambda: self._store.compare_set(ABORT_KEY, b"", record.encode()))
-        return None if current is None else bytes(current).decode(errors="replace")
+        return None if current is None else AbortRecord.decode(bytes(current), self.size)
 
-    def _read_abort(self) -> str | None:
-        return self._store_op(lambda: self._read_key(ABORT_KEY))
+    def _read_abort(self) -> AbortRecord | None:
+        raw = self._store_op(lambda: self._read_raw(ABORT_KEY))
+        return None if raw is None else AbortRecord.decode(raw, self.size)
 
     def _store_op(self, op: Callable[[], _T]) -> _T | None:
         """Run a store operation of the failure path; None if the store did not answer.
@@ -932,26 +935,23 @@ class Transport(BoardEngine):
             return None
 
     def _read_key(self, key: str) -> str | None:
+        raw = self._read_raw(key)
+        return None if raw is None else raw.decode(errors="replace")
+
+    def _read_raw(self, key: str) -> bytes | None:
         if not self._store.check([key]):
             return None
-        return bytes(self._store.get(key)).decode(errors="replace")
+        return bytes(self._store.get(key))
 
     def _check_abort(self) -> None:
         try:
-            record = self._read_key(ABORT_KEY)
+            raw = self._read_raw(ABORT_KEY)
         except (StoreError, OSError):
             return  # an unreachable store is not a verdict; the timeout still bounds us
-        if record is None:
+        if raw is None:
             return
-        dead = _record_rank(record, self.size)
-        raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", dead)
-
-
-def _record_rank(record: str, size: int) -> int | None:
-    """The rank an abort record blames: the first one it names (None: none in the world)."""
-    match = _ABORT_RANK.search(record)
-    rank = int(match.group(1)) if match else None
-    return rank if rank is not None and rank < size else None
+        record = AbortRecord.decode(raw, self.size)
+        raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", record.rank)
 
 
 def _replay(exc: CommError) -> CommError:
