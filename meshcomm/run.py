@@ -711,7 +711,9 @@ def _catch_stop_signals(
     Yields the pipe's read end (None outside the main thread, where Python allows no signal
     handlers; Ctrl-C then stops meshrun the default way and the ranks die with it), the
     list the handler appends signal numbers to, and the handlers it replaced (which forked
-    ranks get back).
+    ranks get back). A signal ignored when meshrun started (``nohup`` ignores SIGHUP, a
+    shell's ``&`` SIGINT) stays ignored, as a shell leaves it: meshrun does not stop on it,
+    and its ranks, forked or spawned, inherit it ignored.
     """
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
@@ -725,7 +727,11 @@ def _catch_stop_signals(
         received.append(signum)
 
     old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-    old_handlers: dict[int, Any] = {signum: signal.signal(signum, record) for signum in signals}
+    old_handlers: dict[int, Any] = {
+        signum: signal.signal(signum, record)
+        for signum in signals
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
     try:
         yield rfd, received, old_handlers
     finally:

@@ -326,6 +326,28 @@ def _main_records(*args: str, cwd: Path | None = None, **env: str) -> list[dict[
     return records
 
 
+def test_signals_ignored_at_start_stay_ignored_in_every_rank() -> None:
+    # As under `nohup meshrun ... &`: a shell leaves SIGHUP and SIGINT ignored. meshrun must not
+    # catch them (it would stop on a hangup), and its ranks inherit them ignored, forked or not.
+    for method in ("fork", "spawn"):
+        command = [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", "2"]
+        command += ["--start-method", method, str(MAIN_SCRIPT), "ok"]
+        script = 'trap "" HUP INT; exec "$@"'
+        result = subprocess.run(
+            ["bash", "-c", script, "bash", *command],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+        )
+        assert result.returncode == 0, result.stderr
+        by_rank = rank_records_of(result.stdout)
+        assert sorted(by_rank) == [0, 1]
+        ignored = str(int(signal.SIG_IGN))
+        default = str(int(signal.SIG_DFL))
+        assert [r["signals"] for r in by_rank.values()] == [[ignored, default, ignored]] * 2
+
+
 def rank_records_of(stdout: str) -> dict[int, dict[str, Any]]:
     out = {}
     for line in stdout.splitlines():
