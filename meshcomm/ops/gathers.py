@@ -44,7 +44,7 @@ __all__ = ["all_gather", "all_to_all", "psum_scatter"]
 # numpy view, ``_native.numpy_of_tensor``, given back with ``torch.from_numpy``) of a
 # supported native-order dtype, at axis 0, whose shape fits, needs none of the kernels'
 # work (the checks would pass, finish is the identity) and goes straight to the group,
-# whose direct path takes it.
+# whose cached runner for the signature takes it.
 # Anything else, errors included, goes through the kernel and its messages.
 _AS_IS = frozenset(SUPPORTED_DTYPES)
 _SUMMABLE = _AS_IS - {np.dtype(np.bool_)}  # psum_scatter refuses bool, as JAX does
@@ -73,7 +73,7 @@ class _Gather(Kernel):
         positions = arr.ndim if self.tiled else arr.ndim + 1
         return arr, (arr.shape, axis_arg(where, self.axis, positions, "axis"))
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.all_gather(arr, axis=meta[1], tiled=self.tiled, async_op=async_op)
 
     def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
@@ -101,7 +101,7 @@ class _Scatter(Kernel):
         block = block_shape(where, arr.shape, ax, self.size, self.tiled, "scatter_dimension")
         return arr, (ax, block)
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.reduce_scatter(arr, "sum", axis=meta[0], tiled=self.tiled, async_op=async_op)
 
     def pack(self, arr: Any, meta: Any) -> Any:
@@ -126,7 +126,7 @@ class _AllToAll(Kernel):
         block = block_shape(where, arr.shape, split, self.size, self.tiled, "split_axis")
         return arr, (split, concat, block)
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.all_to_all(
             arr, split_axis=meta[0], concat_axis=meta[1], tiled=self.tiled, async_op=async_op
         )

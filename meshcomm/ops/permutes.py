@@ -47,7 +47,7 @@ class _Permute(Kernel):
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
         return arr, arr.shape
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.permute(arr, self.pairs, async_op=async_op)
 
     def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
@@ -69,7 +69,7 @@ class _Broadcast(Kernel):
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
         return arr, arr.shape
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.broadcast(arr, root=self.source, async_op=async_op)
 
     def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:

@@ -188,7 +188,7 @@ class Kernel:
     """How one op moves one leaf; subclasses fill in the hooks, :func:`run` drives them.
 
     ``check`` validates (and may convert) a leaf before any I/O and returns
-    ``(array, meta)``. A dtype bucket with one leaf goes through ``direct`` (the group call
+    ``(array, meta)``. A dtype bucket with one leaf goes through ``unpacked`` (the group call
     on the array as is); buckets with several leaves are packed: each leaf becomes a 2-D
     ``(rows, k)`` block (``rows`` is 1, or the axis size for ops that cut a leaf into
     rank blocks), the blocks are concatenated along axis 1, ``call`` moves the buffer, and
@@ -199,7 +199,7 @@ class Kernel:
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
         return arr, None
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         raise NotImplementedError
 
     def pack(self, arr: Any, meta: Any) -> Any:
@@ -230,9 +230,9 @@ class _Transfer:
     split: Callable[[Any], list[Any]]
 
 
-def _direct(kernel: Kernel, group: ProcessGroup, arr: Any, meta: Any) -> _Transfer:
+def _unpacked(kernel: Kernel, group: ProcessGroup, arr: Any, meta: Any) -> _Transfer:
     def start(async_op: bool) -> Any:
-        return kernel.direct(group, arr, meta, async_op)
+        return kernel.unpacked(group, arr, meta, async_op)
 
     def split(result: Any) -> list[Any]:
         return [kernel.finish(result, meta)]
@@ -271,7 +271,7 @@ def _plan(
     transfers = []
     for idx in buckets.values():
         if len(idx) == 1:
-            t = _direct(kernel, group, arrays[idx[0]], metas[idx[0]])
+            t = _unpacked(kernel, group, arrays[idx[0]], metas[idx[0]])
         else:
             t = _packed(kernel, group, [arrays[i] for i in idx], [metas[i] for i in idx])
         t.leaves = tuple(idx)
@@ -349,7 +349,7 @@ def _run_leaf(
         out = kernel.local(arr, meta)
         out = out if back is None else back(out)
         return _done(where, out) if async_op else out
-    result = kernel.direct(group, arr, meta, async_op)
+    result = kernel.unpacked(group, arr, meta, async_op)
     if not async_op:
         out = kernel.finish(result, meta)
         return out if back is None else back(out)

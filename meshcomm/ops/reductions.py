@@ -75,7 +75,7 @@ class _Reduce(Kernel):
     def needs_finish(self, meta: Any) -> bool:
         return meta[2] is not None
 
-    def direct(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.all_reduce(arr, meta[1], factor=self.factor, async_op=async_op)
 
     def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
@@ -143,7 +143,7 @@ def _reduce(
     if factor is None and not async_op and arr is not None:
         # The commonest call, one numpy array (or plain CPU tensor) and a plain op, needs
         # none of the kernel's work (no bool or int-mean casts, no finish): straight to the
-        # group, whose direct path takes it. Anything else, errors included, takes the kernel.
+        # group, whose cached runner takes it. Anything else, errors included, takes the kernel.
         kind = arr.dtype.kind
         if (
             arr.dtype in _REDUCIBLE
