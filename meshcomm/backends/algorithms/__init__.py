@@ -19,7 +19,7 @@ collective         algorithms (auto choice; "bytes" is the size named in ``selec
 all_reduce         recursive_doubling (bytes < ALL_REDUCE_RING_MIN_BYTES), ring (pipelined)
 all_gather         recursive_doubling (power-of-two size) / bruck (other sizes) below
                    ALL_GATHER_RING_MIN_BYTES, ring above
-reduce_scatter     direct below REDUCE_SCATTER_RING_MIN_BYTES, ring (pipelined) above
+reduce_scatter     linear below REDUCE_SCATTER_RING_MIN_BYTES, ring (pipelined) above
 all_to_all         linear below ALL_TO_ALL_PAIRWISE_MIN_BYTES, pairwise above
 broadcast          binomial up to BROADCAST_TREE_MAX_BYTES or size 2; chain (pipelined) when
                    bytes >= size * CHUNK_BYTES; scatter_allgather between
@@ -87,7 +87,8 @@ CHUNK_BYTES = 512 << 10
 ALL_REDUCE_RING_MIN_BYTES = 256 << 10
 #: all_gather: recursive doubling / Bruck below this result size, ring at or above.
 ALL_GATHER_RING_MIN_BYTES = 1 << 20
-#: reduce_scatter: direct below this input size, ring at or above.
+#: reduce_scatter: linear (every block to its rank in one exchange) below this input size,
+#: ring at or above.
 REDUCE_SCATTER_RING_MIN_BYTES = 256 << 10
 #: all_to_all: everything in one exchange below this input size, pairwise steps at or above.
 ALL_TO_ALL_PAIRWISE_MIN_BYTES = 1 << 20
@@ -103,7 +104,7 @@ GATHER_TREE_MAX_BYTES = 64 << 10
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("recursive_doubling", "ring"),
     "all_gather": ("recursive_doubling", "bruck", "ring"),
-    "reduce_scatter": ("direct", "ring"),
+    "reduce_scatter": ("linear", "ring"),
     "all_to_all": ("linear", "pairwise"),
     "broadcast": ("binomial", "scatter_allgather", "chain"),
     "reduce": ("binomial", "reduce_scatter_gather"),
@@ -121,7 +122,7 @@ def _auto(collective: str, nbytes: int, size: int) -> str:
             return "ring"
         return "recursive_doubling" if size & (size - 1) == 0 else "bruck"
     if collective == "reduce_scatter":
-        return "ring" if nbytes >= REDUCE_SCATTER_RING_MIN_BYTES else "direct"
+        return "ring" if nbytes >= REDUCE_SCATTER_RING_MIN_BYTES else "linear"
     if collective == "all_to_all":
         return "pairwise" if nbytes >= ALL_TO_ALL_PAIRWISE_MIN_BYTES else "linear"
     if collective == "broadcast":
@@ -414,7 +415,7 @@ def reduce_scatter(
         send: ``size * n`` elements.
         recv: ``n`` elements of the same dtype.
         op: a primitive reduce op (or its name) defined for the dtype.
-        algorithm: ``"direct"``, ``"ring"``, ``"auto"``, or None.
+        algorithm: ``"linear"``, ``"ring"``, ``"auto"``, or None.
         chunk_bytes: pipelining unit of the ring (default ``CHUNK_BYTES``).
 
     Raises:
@@ -452,7 +453,7 @@ def reduce_scatter(
     elif name == "ring":
         _reduce.reduce_scatter_ring(link, send, recv, rop, chunk)
     else:
-        _reduce.reduce_scatter_direct(link, send, recv, rop)
+        _reduce.reduce_scatter_linear(link, send, recv, rop)
 
 
 def all_to_all(

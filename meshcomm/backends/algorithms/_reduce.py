@@ -31,7 +31,7 @@ __all__ = [
     "all_reduce_ring",
     "reduce_binomial",
     "reduce_reduce_scatter_gather",
-    "reduce_scatter_direct",
+    "reduce_scatter_linear",
     "reduce_scatter_ring",
     "ring_reduce_scatter_inplace",
 ]
@@ -155,7 +155,7 @@ def reduce_scatter_ring(
             partial, spare = incoming, partial
 
 
-def reduce_scatter_direct(link: Link, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+def reduce_scatter_linear(link: Link, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
     """Every rank sends block j to rank j in one exchange, then combines in rank order."""
     p, r = link.size, link.rank
     n = recv.size
