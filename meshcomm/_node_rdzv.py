@@ -13,7 +13,9 @@ ranks are fixed for the run.
 from __future__ import annotations
 
 import dataclasses
+import random
 import socket
+import time
 from typing import TYPE_CHECKING
 
 from meshcomm.errors import InvalidArgument, MeshCommError
@@ -23,6 +25,11 @@ if TYPE_CHECKING:
     from meshcomm.store.server import StoreServer
 
 __all__ = ["NodeJoinError", "join_nodes"]
+
+
+#: How long a launcher on the endpoint's machine keeps trying to host while the port is in
+#: use and nothing listens there (another launcher binding at the same moment).
+_HOST_RACE_SECONDS = 5.0
 
 
 class NodeJoinError(MeshCommError):
@@ -89,14 +96,35 @@ def _host(config: LaunchConfig) -> StoreServer | None:
     # Every interface, as torchrun's store: a name that resolves to 127.0.1.1 here (a common
     # /etc/hosts line) must still be reachable from the other nodes.
     bind = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    give_up = time.monotonic() + _HOST_RACE_SECONDS
+    while True:
+        try:
+            server = StoreServer(bind, config.master_port, secret=config.secret or "")
+        except (MeshCommError, OSError) as exc:
+            if isinstance(exc, InvalidArgument) or config.torchrun.is_host:
+                raise NodeJoinError(
+                    f"--rdzv-endpoint {_where(config)}: cannot host: {exc}"
+                ) from exc
+            # Two launchers that bind at the same moment can both be refused (each one's
+            # listen() sees the other's bound socket), so "in use" proves nothing until a
+            # store answers there.
+            if _someone_listens(config) or time.monotonic() > give_up:
+                return None
+            time.sleep(random.uniform(0.005, 0.05))
+            continue
+        server.start()
+        return server
+
+
+def _someone_listens(config: LaunchConfig) -> bool:
+    """Whether a socket accepts connections at the endpoint (not a connection to itself)."""
     try:
-        server = StoreServer(bind, config.master_port, secret=config.secret or "")
-    except (MeshCommError, OSError) as exc:
-        if isinstance(exc, InvalidArgument) or config.torchrun.is_host:
-            raise NodeJoinError(f"--rdzv-endpoint {_where(config)}: cannot host: {exc}") from exc
-        return None  # the port is in use: another launcher on this machine hosts it
-    server.start()
-    return server
+        with socket.create_connection((config.master_addr, config.master_port), 1.0) as probe:
+            # Connecting to a free port can, rarely, pick that same port as its own
+            # ephemeral one and connect to itself; that is nobody listening.
+            return bool(probe.getsockname() != probe.getpeername())
+    except OSError:
+        return False
 
 
 def _local_family(host: str) -> int | None:

@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -234,10 +236,12 @@ def test_signals_to_handle_stop_the_job(tmp_path: Path) -> None:
 # -- rendezvous ------------------------------------------------------------------------------
 
 
-def _two_nodes(tmp_path: Path, backend: str, *extra: str) -> list[tuple[int, str, str]]:
+def _two_nodes(
+    tmp_path: Path, backend: str, *extra: str, port: str | None = None, started: Any = None
+) -> list[tuple[int, str, str]]:
     job = script(tmp_path, "job.py", COLLECTIVE)
     env = dict(os.environ, MESHCOMM_SECRET="two nodes on one machine")
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{port or free_port()}"
     nodes = []
     for k in (0, 1):
         node_rank = () if backend == "c10d" else ("--node-rank", str(k))
@@ -248,6 +252,8 @@ def _two_nodes(tmp_path: Path, backend: str, *extra: str) -> list[tuple[int, str
                                       text=True, env=env))  # fmt: skip
     results = []
     try:
+        if started is not None:
+            started()
         for node in nodes:
             out, err = node.communicate(timeout=RUN_TIMEOUT)
             results.append((node.returncode, out, err))
@@ -265,6 +271,25 @@ def test_rdzv_endpoint_runs_two_nodes(tmp_path: Path, backend: str) -> None:
     lines = sorted(line for _, out, _ in results for line in out.splitlines())
     # Four ranks, two per node (c10d numbers the nodes in join order), all summing 1+2+3+4.
     assert lines == [f"[rank{r}] rank {r} of 4 node {r // 2} sum 10" for r in range(4)]
+
+
+def test_c10d_hosts_once_a_port_bound_without_a_listener_is_free(tmp_path: Path) -> None:
+    # Two launchers binding the endpoint at the same moment can both be refused; neither may
+    # then assume the other hosts. A socket bound, not listening, stands in for that moment.
+    blocker = socket.socket()
+    blocker.bind(("0.0.0.0", 0))
+    port = str(blocker.getsockname()[1])
+
+    def release() -> None:
+        time.sleep(1.0)
+        blocker.close()
+
+    try:
+        results = _two_nodes(tmp_path, "c10d", "--rdzv-conf", "join_timeout=60", port=port,
+                             started=release)  # fmt: skip
+    finally:
+        blocker.close()
+    assert [code for code, _, _ in results] == [0, 0], results
 
 
 def test_c10d_join_timeout_names_the_endpoint(tmp_path: Path) -> None:
