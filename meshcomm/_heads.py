@@ -59,9 +59,8 @@ def user_frames(frame: FrameType | None, limit: int = _MAX_FRAMES) -> list[str]:
     while frame is not None and len(out) < limit:
         code = frame.f_code
         name = code.co_filename
-        if not name.startswith(_PACKAGE) and not (
-            name.startswith(_STDLIB) and "-packages" not in name
-        ):
+        library = name.startswith(_STDLIB) and "-packages" not in name
+        if not (name.startswith(_PACKAGE) or library or name.startswith("<frozen")):
             out.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back
     return out
