@@ -224,7 +224,12 @@ class ProcessGroup:
 
     @label.setter
     def label(self, text: str) -> None:
+        if text == self._comm.label:
+            return
         self._comm.describe_as(text)
+        me = self.ranks[self.rank]
+        self._where = f"rank {me} in group {self.name!r} {text} (size {self.size})"
+        self._calls.clear()  # their messages were made with the old words
 
     @property
     def debug(self) -> bool:
