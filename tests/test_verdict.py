@@ -27,7 +27,7 @@ def _sleeper_skips(world: ProcessGroup, direct: bool) -> str | None:
     x = np.ones(4, np.float32) if direct else {"a": np.ones(4)}  # a pytree: the general path
     world.all_reduce(np.ones(4, np.float32))  # op #1: everyone; the direct path is learned
     if world.rank == 2:
-        time.sleep(6)  # THE SLEEP
+        time.sleep(3.5)  # past the timeout and the verdict: THE SLEEP
         return None
     try:
         world.all_reduce(x) if direct else world.all_gather(np.ones(2))  # THE CALL
@@ -46,7 +46,7 @@ def _line(text: str) -> int:
 def test_a_sleeping_rank_is_alive_and_named_with_its_last_collective(direct: bool) -> None:
     results = run_ranks(_sleeper_skips, 3, env=ENV, args=(direct,), timeout=60)
     op = "all_reduce" if direct else "all_gather"
-    call, sleep = _line("THE CALL"), _line("THE SLEEP")
+    call, sleep = _line("THE CALL"), _line("past the timeout and the verdict: THE SLEEP")
     for message in results[:2]:
         assert message is not None and "verdict:" in message, message
         assert "0x" not in message, message  # the group by its name, never an id
@@ -73,7 +73,7 @@ def _other_axis(world: ProcessGroup) -> str | None:
             time.sleep(1)  # so that it is in the psum over 'dp' when rank 0 times out
             meshcomm.ops.psum(x, "dp", mesh=mesh)  # DP ONE (rank 3 never comes)
         else:
-            time.sleep(5)
+            time.sleep(4.5)  # rank 1's timeout (3 s) and verdict
     except CommTimeout as exc:
         return str(exc)
     return None
@@ -126,7 +126,7 @@ def test_a_rank_that_cannot_answer_is_called_gone() -> None:
 def _async_waits(world: ProcessGroup) -> str | None:
     world.barrier()
     if world.rank == 1:
-        time.sleep(4)
+        time.sleep(3.5)
         return None
     work = world.all_reduce(np.ones(2), async_op=True)  # ASYNC
     try:
