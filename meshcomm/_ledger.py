@@ -2,7 +2,8 @@
 
 Each :class:`~meshcomm.group.ProcessGroup` keeps a ring of its last ``MESHCOMM_LEDGER``
 collectives (default 2048; 0 turns it off): sequence number, operation, dtype, shape, the
-caller's ``file:line`` outside meshcomm, when it was issued and when it ended (or that it is
+caller's ``file:line`` outside meshcomm, the name the user called it by (``psum`` through
+:mod:`meshcomm.ops`), when it was issued and when it ended (or that it is
 still in flight, or failed). ``group.ledger()`` returns them; the hang report a rank prints on
 ``SIGUSR1`` starts from them. Memory is bounded by the ring (about 200 bytes a record, 400
 KiB a group at the default); a record costs about 0.7 us per call (docs/benchmarks.md).
@@ -28,7 +29,7 @@ import numpy as np
 
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["DEFAULT_LENGTH", "LEDGER_ENV", "Entry", "Ledger", "ledger_length"]
+__all__ = ["DEFAULT_LENGTH", "LEDGER_ENV", "Entry", "Ledger", "ledger_length", "named"]
 
 #: The environment variable that sets how many collectives a group remembers.
 LEDGER_ENV = "MESHCOMM_LEDGER"
@@ -52,8 +53,30 @@ def ledger_length() -> int:
 
 # A record is a list, not an object: it is made on every collective, and a list literal
 # costs a fraction of an instance. Its slots:
-_SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED = range(9)
+_SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED, _API = range(10)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OPS = os.path.join(_PACKAGE, "ops") + os.sep
+# How far back head() looks for the last completed collective (async ones may still run).
+_HEAD_SCAN = 64
+
+
+def _name(entry: Entry) -> str:
+    """The collective in the user's words: the public ``meshcomm.ops`` function the user
+    called (``psum``), else the group method (``all_reduce``)."""
+    api = entry[_API]
+    if api is not None and api.co_filename.startswith(_OPS) and not api.co_name.startswith("_"):
+        return str(api.co_name)
+    return str(entry[_OP])
+
+
+def _site(entry: Entry) -> str:
+    return f"{os.path.basename(entry[_FILE])}:{entry[_LINE]}"
+
+
+def named(entry: Entry) -> tuple[str, str]:
+    """A record's collective in the user's words (``psum``) and its ``file:line``."""
+    return _name(entry), _site(entry)
+
 
 #: One ledger record (see :meth:`Ledger.records` for what it holds).
 Entry = list
@@ -83,10 +106,13 @@ class Ledger:
             frame: Any = sys._getframe(3)
         except ValueError:  # a shallower caller than the group layer (a doctest, a test)
             frame = sys._getframe(1)
+        api = None  # the outermost meshcomm frame: the API the user called (psum)
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+            api = frame
             frame = frame.f_back
         where = ("?", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
-        entry = [seq, op, dtype, shape, where[0], where[1], time.monotonic(), None, False]
+        code = None if api is None else api.f_code
+        entry = [seq, op, dtype, shape, where[0], where[1], time.monotonic(), None, False, code]
         self._ring.append(entry)
         return entry
 
@@ -101,6 +127,44 @@ class Ledger:
         """The most recent record, or None."""
         return self._ring[-1] if self._ring else None
 
+    def head(self) -> dict[str, Any]:
+        """Where this group is now, safe to call from another thread: ``seq`` (the last
+        issued), ``done`` (the last completed collective: ``name``, ``seq``, ``site``, or
+        None), ``now`` (the oldest one still in flight, with ``for``: seconds, or None) and
+        ``issued`` (``time.monotonic()`` of the last call, or None)."""
+        for _ in range(3):
+            try:
+                tail = list(self._ring)[-_HEAD_SCAN:]
+                break
+            except RuntimeError:  # appended to meanwhile (another thread's collective)
+                continue
+        else:
+            tail = []
+        now = time.monotonic()
+        done = flying = None
+        for e in reversed(tail):
+            if e[_ENDED] is None:
+                flying = e
+            elif not e[_FAILED] and done is None:
+                done = e
+                break
+        head: dict[str, Any] = {
+            "seq": tail[-1][_SEQ] if tail else 0,
+            "done": None,
+            "now": None,
+            "issued": tail[-1][_ISSUED] if tail else None,
+        }
+        if done is not None:
+            head["done"] = {"name": _name(done), "seq": done[_SEQ], "site": _site(done)}
+        if flying is not None:
+            head["now"] = {
+                "name": _name(flying),
+                "seq": flying[_SEQ],
+                "site": _site(flying),
+                "for": now - flying[_ISSUED],
+            }
+        return head
+
     def records(self) -> list[dict[str, Any]]:
         """The records, oldest first, as plain dicts (``state``: done, failed, in flight;
         ``seconds``: how long it took, or has been in flight)."""
@@ -113,9 +177,10 @@ class Ledger:
                 {
                     "seq": e[_SEQ],
                     "op": e[_OP],
+                    "name": _name(e),
                     "dtype": None if e[_DTYPE] is None else np.dtype(e[_DTYPE]).name,
                     "shape": None if e[_SHAPE] is None else tuple(e[_SHAPE]),
-                    "site": f"{os.path.basename(e[_FILE])}:{e[_LINE]}",
+                    "site": _site(e),
                     "state": state,
                     "seconds": (now if ended is None else ended) - e[_ISSUED],
                 }

@@ -1,24 +1,26 @@
 """Hang verdicts: when a collective times out, say which ranks are behind and where.
 
 A timeout alone says "no progress for 30 s in exchange"; the user's question is *which rank,
-and where in my code*. When a synchronous collective of a group times out, the rank writes
-what it was waiting in (operation, sequence number, call site) to the job's store, reads what
-the other members wrote within a short grace period, and the error says, in the user's
+and where in my code*. When a collective of a group times out, the rank writes what it was
+waiting in (operation, sequence number, call site) to the job's store, asks every other
+member's responder (:mod:`meshcomm._responder`) where that rank is, reads the answers and
+the others' own wait reports within a short grace period, and the error says, in the user's
 words::
 
-    ranks [0, 1] waited in all_reduce #3 on group 'world' (called at train.py:41); rank 2
-    never reached it (no report within 2 s: it is computing, sleeping, stuck in another
-    group's collective, or gone)
+    rank 2 has not entered psum #3 over 'tp' (called at train.py:41 by ranks 0, 1, 3): it
+    is alive but has not called a collective for 40.2 s; its last completed collective
+    there was psum #2 at train.py:41
 
-Nothing is written unless a collective timed out; a store that cannot be reached gives no
-verdict (the timeout stands).
+or that it is in another collective (which, where, for how long), or that it did not answer
+at all (gone, or stuck where Python cannot run). Nothing is written unless a collective
+timed out; a store that cannot be reached gives no verdict (the timeout stands).
 
 Example:
     >>> from meshcomm.store import HashStore
     >>> store = HashStore(timeout=5)
     >>> text = report(store, "g", (0,), 0, "all_reduce", 3, "train.py:41", grace=0.1)
-    >>> "rank 0 waited in all_reduce #3" in text
-    True
+    >>> text.split(";")[0]
+    "rank 0 waited in all_reduce #3 on group 'g' (called at train.py:41)"
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from meshcomm import _responder
 from meshcomm.errors import MeshCommError
 from meshcomm.store.base import Store
 
@@ -63,7 +66,7 @@ def grace_seconds(timeout: float) -> float:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _read(store: Store, key: str) -> dict[str, Any] | None:
@@ -82,6 +85,34 @@ def _read(store: Store, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _lag(head: dict[str, Any], group: str, seq: int) -> str:
+    """What a rank that did not report waiting is doing, from its head."""
+    mine = next((g for g in head["groups"] if g["name"] == group), None)
+    if mine is not None and mine["seq"] >= seq and (mine["now"] or {}).get("seq") != seq:
+        return f"it already completed #{seq} (its last call there was #{mine['seq']})"
+    busy = [g for g in head["groups"] if g["now"] is not None]
+    if busy:
+        g = busy[0]
+        now = g["now"]
+        what = (
+            f"it is in {now['name']} #{now['seq']} {g['label']} (called at {now['site']}) "
+            f"for {now.get('for', 0.0):.1f} s"
+        )
+    elif head["idle"] is not None:
+        what = f"it is alive but has not called a collective for {head['idle']:.1f} s"
+    else:
+        what = "it is alive but has not called a collective yet"
+    if head["stack"]:
+        what += f", at {head['stack'][0]}"
+    done = None if mine is None else mine["done"]
+    if done is not None:
+        what += f"; its last completed collective there was {done['name']} #{done['seq']} at "
+        what += done["site"]
+    elif mine is None:
+        what += "; it has not used that group yet"
+    return what
+
+
 def report(
     store: Store,
     group: str,
@@ -91,46 +122,71 @@ def report(
     seq: int,
     site: str,
     grace: float,
+    label: str | None = None,
 ) -> str:
-    """Publish this rank's wait, gather the others', and describe who is behind.
+    """Publish this rank's wait, ask the others where they are, and describe who is behind.
 
     Args:
         store: the job's store.
         group: the group's name, the same on every member (it keys the reports).
         members: the group's global ranks.
         me: this rank's global rank.
-        op: the collective that timed out; ``seq`` its sequence number in the group.
+        op: the collective that timed out, in the user's words; ``seq`` its sequence
+            number in the group.
         site: where the user called it (:func:`call_site`).
-        grace: seconds to wait for the other members' reports.
+        grace: seconds to wait for the other members' reports and answers.
+        label: how to name the group (``"over 'tp'"``); default ``"on group '<group>'"``.
 
     Returns:
-        One or two sentences for the error message ("" when the store cannot be used).
+        One or more sentences for the error message ("" when the store cannot be used).
     """
+    label = label or f"on group {group!r}"
     base = f"{_PREFIX}{group}/"
     mine = json.dumps({"op": op, "seq": seq, "site": site}).encode()
     try:
         store.set(f"{base}{seq}/{me}", mine)
+        asked = {r: _responder.ask(store, r) for r in members if r != me}
     except (MeshCommError, OSError):
         return ""
     deadline = time.monotonic() + grace
-    waiting: dict[int, dict[str, Any]] = {}
+    waiting: dict[int, dict[str, Any]] = {me: {"op": op, "seq": seq, "site": site}}
+    heads: dict[int, dict[str, Any]] = {}
     while True:
         for rank in members:
-            if rank not in waiting:
-                got = _read(store, f"{base}{seq}/{rank}")
-                if got is not None:
-                    waiting[rank] = got
-        if len(waiting) == len(members) or time.monotonic() >= deadline:
+            if rank in waiting or rank in heads:
+                continue
+            got = _read(store, f"{base}{seq}/{rank}")
+            if got is not None:
+                waiting[rank] = got
+                continue
+            head = _responder.answer(store, rank, asked[rank])
+            if head is None:
+                continue
+            flight = next((g["now"] for g in head["groups"] if g["name"] == group), None)
+            if flight is not None and flight["seq"] == seq:
+                waiting[rank] = {"op": op, "seq": seq, "site": flight["site"]}  # it waits too
+            else:
+                heads[rank] = head
+        if len(waiting) + len(heads) == len(members) or time.monotonic() >= deadline:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     here = sorted(waiting)
-    sites = sorted({str(w.get("site", "?")) for w in waiting.values()})
-    where = sites[0] if len(sites) == 1 else ", ".join(sites)
-    text = f"{_ranks(here)} waited in {op} #{seq} on group {group!r} (called at {where})"
-    absent = [r for r in members if r not in waiting]
-    if not absent:
-        return text + "; every member reached it, so the data itself did not move in time"
-    return (
-        f"{text}; {_ranks(absent)} never reached it (no report within {grace:g} s: computing, "
-        "sleeping, in another group's collective, or gone)"
-    )
+    sites = sorted({str(w.get("site", "?"))[:200] for w in waiting.values()})
+    where = ", ".join(sites)
+    call = f"{op} #{seq} {label}"
+    absent = [r for r in members if r not in waiting and r not in heads]
+    if not heads and not absent:
+        return (
+            f"{_ranks(here)} waited in {call} (called at {where}); every member reached it, "
+            "so the data itself did not move in time"
+        )
+    called = f"(called at {where} by {_ranks(here)})"
+    parts = [
+        f"rank {r} has not entered {call} {called}: {_lag(heads[r], group, seq)}" for r in heads
+    ]
+    if absent:
+        parts.append(
+            f"{_ranks(absent)} never reached {call} {called} and did not answer within "
+            f"{grace:g} s: gone, or stuck where Python cannot run"
+        )
+    return "; ".join(parts[:1]) + "".join(f"\n  verdict: {p}" for p in parts[1:])

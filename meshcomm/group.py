@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _ledger, _lower, _staging, _verdict
+from meshcomm import _fingerprint, _ledger, _lower, _report, _staging, _verdict
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
@@ -152,6 +152,7 @@ class ProcessGroup:
         self._comm = comm
         self.store = store
         self.name = name
+        comm.describe_as(f"on group {name!r}")
         me = comm.global_ranks[comm.rank]
         self._where = f"rank {me} in group {name!r} (size {comm.size})"
         # Every group has an engine of its own: its operations keep issue order among
@@ -209,6 +210,26 @@ class ProcessGroup:
     def timeout(self) -> float:
         """Seconds a blocking operation waits for a peer."""
         return self._comm.timeout
+
+    @property
+    def label(self) -> str:
+        """How messages name this group in the user's words: ``"on group 'world'"``, or
+        ``"over 'tp'"`` for the group a mesh made for its axis ``'tp'`` (never an id).
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator(), name="world").label
+            "on group 'world'"
+        """
+        return self._comm.label
+
+    @label.setter
+    def label(self, text: str) -> None:
+        if text == self._comm.label:
+            return
+        self._comm.describe_as(text)
+        me = self.ranks[self.rank]
+        self._where = f"rank {me} in group {self.name!r} {text} (size {self.size})"
+        self._calls.clear()  # their messages were made with the old words
 
     @property
     def debug(self) -> bool:
@@ -329,13 +350,17 @@ class ProcessGroup:
         try:
             result = self._engine.submit(body, label, bool(async_op))
         except BaseException as exc:
+            # In flight while judged: the others' verdicts find this rank in it meanwhile.
+            judged = self._judged(exc, op, seq, entry) if isinstance(exc, CommTimeout) else exc
             book.end(entry, True)
-            judged = self._judged(exc, op, seq) if isinstance(exc, CommTimeout) else exc
             if judged is exc:
                 raise
             raise judged from exc
         if not async_op:
             book.end(entry, False)
+        elif isinstance(result, Work):
+            # Its own timeout, raised on the engine's thread, gets the verdict in wait().
+            result._judge = lambda exc: self._judged(exc, op, seq, entry)
         return result
 
     # -- collectives ---------------------------------------------------------------------
@@ -461,9 +486,11 @@ class ProcessGroup:
             run(x, out)
             book.end(entry, False)
         except BaseException as exc:
-            book.end(entry, True)
             engine.poison(exc, f"{name} (op #{self._seq}) on {self._where}")
-            judged = self._judged(exc, name, self._seq) if isinstance(exc, CommTimeout) else exc
+            judged = (
+                self._judged(exc, name, self._seq, entry) if isinstance(exc, CommTimeout) else exc
+            )
+            book.end(entry, True)
             if judged is exc:
                 raise
             raise judged from exc
@@ -471,21 +498,27 @@ class ProcessGroup:
             engine.release()
         return out
 
-    def _judged(self, exc: CommTimeout, op: str, seq: int) -> CommTimeout:
+    def _judged(
+        self, exc: CommTimeout, op: str, seq: int, entry: _ledger.Entry | None = None
+    ) -> CommTimeout:
         """``exc`` with the hang verdict added: which members waited in op ``seq``, and
-        where the others are (:mod:`meshcomm._verdict`); ``exc`` itself without a store."""
+        where the others are (:mod:`meshcomm._verdict`); ``exc`` itself without a store.
+        ``entry``: the call's ledger record (the name the user called, its site)."""
         if self.store is None or self.size == 1:
             return exc
+        name, site = (op, _verdict.call_site()) if entry is None else _ledger.named(entry)
         text = _verdict.report(
             self.store,
             self.name,
             self.ranks,
             self.ranks[self.rank],
-            op,
+            name,
             seq,
-            _verdict.call_site(),
+            site,
             _verdict.grace_seconds(self.timeout),
+            self.label,
         )
+        _report.timed_out(f"{exc}\n  verdict: {text}" if text else str(exc))
         return CommTimeout(f"{exc}\n  verdict: {text}") if text else exc
 
     def all_gather(

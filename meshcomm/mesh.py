@@ -526,7 +526,13 @@ class DeviceMesh:
         return self._group_for_dims(dims)
 
     def _group_for_dims(self, dims: tuple[int, ...]) -> ProcessGroup:
-        return self._root.group(self._root_axes(dims))
+        group = self._root.group(self._root_axes(dims))
+        root = self._root
+        if group is not root.parent() and group is not root._base:  # (no I/O here)
+            # A group made for these axes alone: errors and verdicts name it by them.
+            names = tuple(self._names[d] for d in dims)
+            group.label = f"over {names[0]!r}" if len(names) == 1 else f"over {names!r}"
+        return group
 
     def get_all_groups(self) -> list[ProcessGroup]:
         """Return the group of every axis, in axis order, making the missing ones.

@@ -51,9 +51,11 @@ import argparse
 import math
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -75,6 +77,7 @@ from meshcomm._procs import (
     supervised_command,
 )
 from meshcomm._rank_logs import AttemptLogs, Route, RunLogs
+from meshcomm._report import REPORT_DIR_ENV, TIMEOUT_FILE
 from meshcomm._run_options import (
     STOP_SIGNALS,
     TorchrunOptions,
@@ -86,6 +89,7 @@ from meshcomm._run_options import (
 )
 from meshcomm._secret import SECRET_ENV
 from meshcomm._torchrun_flags import STD_ERR, STD_OUT, FlagError, parse_endpoint
+from meshcomm._where import Gathering
 from meshcomm.errors import InvalidArgument, MeshCommError
 
 if TYPE_CHECKING:
@@ -99,6 +103,7 @@ __all__ = [
     "launch",
     "main",
     "parse_args",
+    "report_signal",
     "should_restart",
 ]
 
@@ -122,6 +127,10 @@ _MAX_LINE = 64 * 1024
 _DRAIN_SECONDS = 2.0
 # Longest sleep of the supervision loop; exits also wake it through pidfds where available.
 _TICK_WITH_PIDFD = 1.0
+
+# Seconds meshrun waits for the ranks' reports (SIGUSR1, the first Ctrl-C, a timeout).
+_REPORT_SECONDS = 3.0
+_REPORT_POLL = 0.05
 
 # How long to wait for ranks after SIGKILL before reporting them and exiting anyway.
 _AFTER_SIGKILL = 10.0
@@ -763,6 +772,11 @@ class _Supervisor:
         self.kill_at: float | None = None  # when stopping: SIGKILL deadline
         self.drain_until: float | None = None
         self.give_up_at: float | None = None  # after SIGKILL: stop waiting for the ranks
+        # Where the ranks leave their reports (meshcomm._where); one report at a time, and
+        # a timed-out collective triggers one once.
+        self.report_dir = tempfile.mkdtemp(prefix="meshrun-report-")
+        self.gathering: Gathering | None = None
+        self.timeout_reported = False
 
     # -- starting -------------------------------------------------------------------------
 
@@ -778,6 +792,7 @@ class _Supervisor:
                 restart=self.restart,
                 rank_log_dir=self.logs.rank_dir(local_rank),
             )
+            env[REPORT_DIR_ENV] = self.report_dir
             proc: subprocess.Popen[bytes] | _Forked
             if signals is not None:
                 proc = self._fork(env, signals)
@@ -857,7 +872,13 @@ class _Supervisor:
             self._reap()
             while received:
                 self._on_signal(received.pop(0))
-            if self.failures and self.kill_at is None:
+            self._check_timeout()
+            if self.gathering is not None and self.gathering.poll():
+                self.err.write(f"{self.gathering.text()}\n".encode())
+                self.gathering = None
+            # A stop waits for a report in progress (bounded by its deadline).
+            stopping = self.failures or self.stop_signal is not None
+            if stopping and self.kill_at is None and self.gathering is None:
                 self._begin_stop()
             now = time.monotonic()
             if self.kill_at is not None and now >= self.kill_at and self.live():
@@ -871,7 +892,7 @@ class _Supervisor:
                     self.drain_until = now + _DRAIN_SECONDS
                 if not self._has_pipes() or now >= self.drain_until:
                     break
-            timeout = tick
+            timeout = tick if self.gathering is None else _REPORT_POLL
             for deadline in (self.kill_at, self.drain_until, self.give_up_at):
                 if deadline is not None and deadline > now:
                     timeout = min(timeout, deadline - now)
@@ -919,14 +940,37 @@ class _Supervisor:
                     )
 
     def _on_signal(self, signum: int) -> None:
-        if self.stop_signal is None:
+        if signum == report_signal(self.config):
+            self._report("SIGUSR1")
+        elif self.stop_signal is None:
             self.stop_signal = signum
             self.err.say(f"received {signal_name(signum)}; stopping {len(self.live())} ranks")
-            if self.kill_at is None:
-                self._begin_stop()
+            if signum == signal.SIGINT and self.kill_at is None:
+                self._report("Ctrl-C")  # the loop stops the ranks once it is printed
         else:
-            # A second Ctrl-C: the user does not want to wait for the grace period.
+            # A second Ctrl-C: the user does not want to wait for the grace period (nor for
+            # a report).
+            self.gathering = None
             self._kill_all()
+
+    def _report(self, why: str) -> None:
+        """Start gathering where each rank is, unless a report is already under way."""
+        if self.gathering is None:
+            ranks = [(r.rank, r.proc.pid if r.returncode is None else None) for r in self.ranks]
+            self.gathering = Gathering(self.report_dir, ranks, why, _REPORT_SECONDS)
+
+    def _check_timeout(self) -> None:
+        """A rank's collective timed out (it left the timeout file): report once."""
+        if self.timeout_reported or self.kill_at is not None:
+            return
+        path = os.path.join(self.report_dir, TIMEOUT_FILE)
+        try:
+            with open(path, "rb") as f:
+                first = f.read(200).decode(errors="replace").splitlines()[0]
+        except (OSError, IndexError):
+            return
+        self.timeout_reported = True
+        self._report(f"a collective timed out: {first}")
 
     def _begin_stop(self) -> None:
         self.kill_at = time.monotonic() + self.config.grace_period
@@ -958,6 +1002,7 @@ class _Supervisor:
         self._close()
 
     def _close(self) -> None:
+        shutil.rmtree(self.report_dir, ignore_errors=True)
         for key in list(self.selector.get_map().values()):
             if isinstance(key.data, _Lines):
                 key.data.flush()
@@ -1060,7 +1105,9 @@ def launch(config: LaunchConfig) -> int:
     """
     if config.backend == "mpi":
         return _launch_mpi(config)
-    with _catch_stop_signals(config.torchrun.stop_signals) as (wakeup_fd, received, handlers):
+    report = report_signal(config)
+    signals = config.torchrun.stop_signals + (() if report is None else (report,))
+    with _catch_stop_signals(signals) as (wakeup_fd, received, handlers):
         try:
             config, server, serving = _rendezvous(config)
         except (MeshCommError, OSError) as exc:  # names the address and the reason
@@ -1081,8 +1128,9 @@ def launch(config: LaunchConfig) -> int:
                 to_start = None
                 if not should_restart(status, attempt.stop_signal, restart, config):
                     return status
-                if received:  # a stop signal after the last rank exited: do not start again
-                    return 128 + received[0]
+                stops = [n for n in received if n != report]
+                if stops:  # a stop signal after the last rank exited: do not start again
+                    return 128 + stops[0]
                 restart += 1
                 attempt.err.say(
                     f"restarting this node's {config.nproc_per_node} ranks "
@@ -1103,6 +1151,19 @@ def launch(config: LaunchConfig) -> int:
         finally:
             if server is not None:
                 server.close()
+
+
+def report_signal(config: LaunchConfig) -> int | None:
+    """The signal that asks meshrun where each rank is (``SIGUSR1``; it stops nothing).
+
+    None when ``--signals-to-handle`` names ``SIGUSR1``: the user asked it to stop the job.
+
+    Example:
+        >>> report_signal(parse_args(["x.py"])) == signal.SIGUSR1
+        True
+        >>> report_signal(parse_args(["--signals-to-handle", "SIGTERM,SIGUSR1", "x.py"]))
+    """
+    return None if signal.SIGUSR1 in config.torchrun.stop_signals else signal.SIGUSR1
 
 
 def should_restart(

@@ -55,6 +55,10 @@ class Work(Generic[T]):
 
     def __init__(self, label: str) -> None:
         self._label = label
+        # The group's hang verdict for the operation's own CommTimeout (meshcomm._verdict),
+        # applied once, in the first wait() that sees it.
+        self._judge: Callable[[CommTimeout], CommTimeout] | None = None
+        self._judged: BaseException | None = None
         self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
         # Running from the start: cancel() then returns False, as an issued op cannot be
         # taken back from the other ranks.
@@ -77,6 +81,14 @@ class Work(Generic[T]):
         seconds = None if timeout is None else to_seconds(timeout)
         try:
             return self._future.result(timeout=seconds)
+        except CommTimeout as exc:
+            if self._judge is None:
+                raise
+            if self._judged is None:
+                self._judged = self._judge(exc)
+            if self._judged is exc:
+                raise
+            raise self._judged from exc
         except concurrent.futures.TimeoutError:
             # On Python < 3.11 futures' TimeoutError is not the builtin one.
             if self._future.done():

@@ -40,6 +40,7 @@ from meshcomm.rendezvous import Rendezvous, rendezvous, storeless_rendezvous
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from meshcomm._responder import Responder
     from meshcomm.group import ProcessGroup
     from meshcomm.store.base import Store
 
@@ -85,6 +86,7 @@ class World:
         self._group: ProcessGroup | None = None
         self._rendezvous: Rendezvous | None = None
         self._was_shut_down = False
+        self._responder: Responder | None = None
         # Keys of each world live under its generation, so a store reused by a later init
         # (every rank makes the same sequence of worlds) never shows stale claims.
         self._generation = 0
@@ -130,9 +132,12 @@ class World:
                 rdzv.close(wait=_FAILED_INIT_LINGER)
                 raise
             self._group, self._rendezvous = group, rdzv
-            from meshcomm import _report
+            from meshcomm import _report, _responder
 
             _report.install(group)  # kill -USR1 <pid>: this rank's last collectives, stacks
+            if rdzv.store is not None and group.size > 1:
+                # Where this rank is, for the hang verdicts of the others (a daemon thread).
+                self._responder = _responder.Responder.start(group, rdzv.store, rdzv.rank)
             return group
 
     def shutdown(self) -> None:
@@ -147,7 +152,10 @@ class World:
                 return
             self._group, self._rendezvous = None, None
             self._was_shut_down = True
+            responder, self._responder = self._responder, None
             try:
+                if responder is not None and rdzv.store is not None:
+                    responder.stop(rdzv.store)
                 group.close()
             finally:
                 rdzv.close()

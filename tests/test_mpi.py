@@ -532,6 +532,26 @@ def direct_path_timeout() -> list[str]:
 
 
 @case
+def verdict_with_store(port: str) -> str:
+    """An mpi world with a store beside it: rank 2 sleeps past the others' timeout, and their
+    CommTimeout says where it is (the responders answer through the store)."""
+    import meshcomm
+    from meshcomm.errors import CommTimeout
+
+    group = meshcomm.init(backend="mpi", init_method=f"tcp://127.0.0.1:{port}", timeout=2.0)
+    group.all_reduce(np.ones(2))  # op #1
+    if group.rank == 2:
+        time.sleep(4)
+        return "slept"
+    try:
+        group.all_reduce(np.ones(2))  # VERDICT CALL
+    except CommTimeout as exc:
+        time.sleep(0.5)  # the store outlives the other waiter's verdict
+        return str(exc)
+    return "no error"
+
+
+@case
 def world_mismatch() -> str:
     from meshcomm.backends.mpi import MpiCommunicator
     from meshcomm.errors import RendezvousError
@@ -651,6 +671,20 @@ def test_a_missing_peer_is_a_timeout_not_a_hang() -> None:
         seconds = float(message.split()[2])
         assert seconds < 2.0 + 10.0, message
         assert "barrier" in message and "not complete after 2 s" in message
+
+
+def test_with_a_store_a_timeout_says_where_the_lagging_rank_is() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = run_case(3, "verdict_with_store", str(port), timeout=60)
+    assert results[2] == "slept"
+    for message in results[:2]:
+        assert "verdict: rank 2 has not entered all_reduce #2 on group 'world'" in message, message
+        assert "it is alive but has not called a collective for" in message, message
+        assert "its last completed collective there was all_reduce #1 at test_mpi.py:" in message
 
 
 def test_a_missing_peer_times_out_the_direct_path_too() -> None:

@@ -33,6 +33,8 @@ class Communicator(ABC):
         global_ranks: world rank of each communicator rank.
         backend_name: "tcp", "mpi", "nccl" or "self".
         timeout: seconds a blocking call waits for a peer.
+        label: how errors name this communicator's group, in the user's words ("on group
+            'world'", "over 'tp'"; see :meth:`describe_as`); never an internal id.
     """
 
     backend_name: str = "abstract"
@@ -42,6 +44,12 @@ class Communicator(ABC):
         self.global_ranks: tuple[int, ...] = tuple(global_ranks)
         self.size = len(self.global_ranks)
         self.timeout = timeout
+        self.label = f"on ranks {list(self.global_ranks)}"
+
+    def describe_as(self, label: str) -> None:
+        """Name this communicator's group in error messages from now on (the group layer
+        calls it with the group's name or mesh axes)."""
+        self.label = label
 
     # -- collectives ---------------------------------------------------------------------
     @abstractmethod

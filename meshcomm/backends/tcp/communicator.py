@@ -99,6 +99,11 @@ class TcpCommunicator(Communicator):
         # The board (meshcomm.backends.tcp.board) serves the world only; None: not agreed yet.
         self._board_max = board_max() if comm_id == WORLD_ID and self.size > 1 else 0
         self._board: bool | None = None if self._board_max else False
+        transport.labels[comm_id] = self.label
+
+    def describe_as(self, label: str) -> None:
+        super().describe_as(label)
+        self._transport.labels[self.comm_id] = label  # its errors name the group so too
 
     @classmethod
     def create_world(
@@ -145,8 +150,8 @@ class TcpCommunicator(Communicator):
     def _check(self, what: str) -> None:
         if self._closed:
             raise CommError(
-                f"rank {self.global_ranks[self.rank]}: {what} on a closed tcp communicator "
-                f"{self.comm_id:#x}"
+                f"rank {self.global_ranks[self.rank]}: {what} {self.label}: the tcp "
+                "communicator is closed"
             )
 
     def _peer(self, peer: object, what: str) -> int:
@@ -323,8 +328,8 @@ class TcpCommunicator(Communicator):
         group_rank = self._group_rank.get(source)
         if group_rank is None:
             raise ProtocolError(
-                f"rank {self.global_ranks[self.rank]}: a message on communicator "
-                f"{self.comm_id:#x} came from global rank {source}, not a member"
+                f"rank {self.global_ranks[self.rank]}: a message {self.label} came from "
+                f"global rank {source}, not a member"
             )
         return array, group_rank
 

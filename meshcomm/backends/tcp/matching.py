@@ -133,6 +133,11 @@ class Matching:
     _posted: dict[tuple[int, int, int], deque[Recv]]
     _posted_any: dict[tuple[int, int], deque[Recv]]
     _unexpected: dict[tuple[int, int, int], deque[Message]]
+    #: comm id -> how errors name that communicator's group (set by its communicator).
+    labels: dict[int, str]
+
+    def _label(self, comm_id: int) -> str:
+        return self.labels.get(comm_id, "on the world" if comm_id == 0 else "on a sub-group")
 
     def _gone_error(self, peer: int, action: str) -> PeerError:
         raise NotImplementedError  # the transport's
@@ -191,7 +196,7 @@ class Matching:
             got = "an array (send)" if h.kind == wire.ARRAY else f"{h.length} bytes"
             raise ProtocolError(
                 f"rank {self.rank}: expected {len(r.dest)} bytes from rank {src} on "
-                f"communicator {r.comm_id:#x}, got {got}: ranks disagree on the operation"
+                f"{self._label(r.comm_id)}, got {got}: ranks disagree on the operation"
             )
 
     @staticmethod

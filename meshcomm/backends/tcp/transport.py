@@ -197,6 +197,7 @@ class Transport(BoardEngine):
         self._token = token
         self._secret = secret
         self.rejected = []
+        self.labels = {}
         self._links = LinkListener(
             listener,
             rank=rank,
@@ -536,7 +537,7 @@ class Transport(BoardEngine):
             idle = now - last_progress
             if idle >= timeout:
                 if what == "exchange":
-                    what = f"exchange on communicator {comm_id:#x}"
+                    what = f"exchange {self._label(comm_id)}"
                 raise CommTimeout(
                     f"rank {self.rank}: no progress for {timeout:g} s in {what}; "
                     f"{self._describe_pending(sends, recvs)}"

@@ -1,0 +1,159 @@
+"""The responder: a daemon thread per rank that says where the rank is when asked.
+
+A rank that timed out in a collective wants to know where the others are, including the
+ones that are *not* in a collective (computing, sleeping, in another group's collective).
+Those cannot answer from the collective path, so every rank with a store runs one small
+daemon thread with a store connection of its own, blocked in a store ``wait`` on its next
+request key. An asker (:func:`ask`) numbers its request with a store counter and sets the
+key; the responder answers with the rank's head (:mod:`meshcomm._heads`) under the same
+number and deletes the request. Nothing runs per collective: the thread sleeps in the store
+until someone asks, and wakes every few seconds only to notice shutdown.
+
+Keys (under the world's store prefix)::
+
+    meshcomm/ask/<rank>          request counter
+    meshcomm/ask/<rank>/<n>      request n ("?", or "stop" from the rank itself)
+    meshcomm/head/<rank>/<n>     answer n (JSON, at most heads.MAX_BYTES)
+
+Only stores that can hold a second blocking client get a responder: ``TCPStore`` (a second
+connection to the same server, same secret) and the in-process ``HashStore``; with other
+stores a rank does not answer and the verdict says it did not (the collective timeout stands).
+
+Example:
+    >>> from meshcomm.backends.local import SelfCommunicator
+    >>> from meshcomm.group import ProcessGroup
+    >>> from meshcomm.store import HashStore
+    >>> store = HashStore(timeout=5)
+    >>> g = ProcessGroup(SelfCommunicator(), store=store)
+    >>> r = Responder.start(g, store, 0)
+    >>> n = ask(store, 0)
+    >>> answer(store, 0, n, wait=5)["rank"]
+    0
+    >>> r.stop(store)
+    >>> g.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any
+
+from meshcomm import _heads
+from meshcomm.errors import MeshCommError, StoreTimeout
+from meshcomm.store.base import Store
+from meshcomm.store.memory import HashStore
+from meshcomm.store.prefix import PrefixStore
+from meshcomm.store.tcp import TCPStore
+
+if TYPE_CHECKING:
+    from meshcomm.group import ProcessGroup
+
+__all__ = ["Responder", "answer", "ask"]
+
+_PREFIX = "meshcomm/"
+# The responder's store wait: how often it looks at its stop flag when nobody asks.
+_IDLE_WAIT = 5.0
+
+
+def _ask_key(rank: int, n: int) -> str:
+    return f"{_PREFIX}ask/{rank}/{n}"
+
+
+def _answer_key(rank: int, n: int) -> str:
+    return f"{_PREFIX}head/{rank}/{n}"
+
+
+def ask(store: Store, rank: int, what: bytes = b"?") -> int:
+    """Ask ``rank``'s responder where it is; return the request number for :func:`answer`."""
+    n = store.add(f"{_PREFIX}ask/{rank}", 1)
+    store.set(_ask_key(rank, n), what)
+    return n
+
+
+def answer(store: Store, rank: int, n: int, wait: float = 0.0) -> dict[str, Any] | None:
+    """The answer to request ``n`` of ``rank`` (a parsed head), waiting up to ``wait``
+    seconds; None if there is none (yet), or it is not a head."""
+    key = _answer_key(rank, n)
+    try:
+        if wait > 0:
+            store.wait([key], wait)
+        elif not store.check([key]):
+            return None
+        raw = store.get(key)
+    except (MeshCommError, OSError):
+        return None
+    with contextlib.suppress(MeshCommError, OSError):
+        store.delete_key(key)  # read once: the store does not grow with requests
+    return _heads.parse(raw)
+
+
+def _own_connection(store: Store) -> tuple[Store, bool] | None:
+    """A store the responder may block in without stalling the rank's own calls, and
+    whether it is a new connection (the responder closes it); None if there is none."""
+    if isinstance(store, PrefixStore):
+        inner = _own_connection(store.underlying_store)
+        return None if inner is None else (PrefixStore(store.prefix, inner[0]), inner[1])
+    if isinstance(store, TCPStore):
+        secret = store._secret or b""  # the rank's own: the server admits only the job
+        return TCPStore(store.host, store.port, timeout=store.timeout, secret=secret), True
+    if isinstance(store, HashStore):
+        return store, False  # in-process and thread-safe: a wait blocks no other caller
+    return None
+
+
+class Responder:
+    """The daemon thread of one rank (see the module docstring); :meth:`start` makes it."""
+
+    def __init__(self, world: ProcessGroup, store: Store, rank: int, owns: bool) -> None:
+        self._world = world
+        self._store = store
+        self._owns = owns
+        self._rank = rank
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._serve, name=f"meshcomm-responder-{rank}", daemon=True
+        )
+
+    @classmethod
+    def start(cls, world: ProcessGroup, store: Store, rank: int) -> Responder | None:
+        """Start ``rank``'s responder over ``world`` with a connection of its own to
+        ``store``; None when the store cannot give one (or cannot be reached)."""
+        try:
+            own = _own_connection(store)
+        except (MeshCommError, OSError):
+            return None
+        if own is None:
+            return None
+        responder = cls(world, own[0], rank, own[1])
+        responder._thread.start()
+        return responder
+
+    def _serve(self) -> None:
+        store, rank, n = self._store, self._rank, 1
+        try:
+            while not self._stopping:
+                key = _ask_key(rank, n)
+                try:
+                    store.wait([key], _IDLE_WAIT)
+                except StoreTimeout:
+                    continue
+                if store.get(key) == b"stop" or self._stopping:
+                    return
+                head = _heads.collect(self._world, rank)
+                store.set(_answer_key(rank, n), _heads.encode(head))
+                store.delete_key(key)
+                n += 1
+        except (MeshCommError, OSError):
+            return  # the store is gone: the job is ending
+        finally:
+            if self._owns:
+                with contextlib.suppress(MeshCommError, OSError):
+                    store.close()
+
+    def stop(self, store: Store, timeout: float = 2.0) -> None:
+        """Stop the thread: wake it through ``store`` (the rank's own) and join it."""
+        self._stopping = True
+        with contextlib.suppress(MeshCommError, OSError):
+            ask(store, self._rank, b"stop")
+        self._thread.join(timeout)
