@@ -29,7 +29,7 @@ START_METHOD_VARIABLE = "MESHRUN_START_METHOD"
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Everything ``meshrun`` needs to start one node's ranks; built by :func:`parse_args`.
+    """Everything ``meshrun`` needs to start one node's ranks (see :func:`meshcomm.run.parse_args`).
 
     Attributes:
         nproc_per_node: ranks started on this node.

@@ -40,6 +40,7 @@ class Sink:
         self._broken = False
 
     def write(self, data: bytes) -> None:
+        """Write ``data`` now; after the reader went away, drop it."""
         if self._broken or not data:
             return
         try:
@@ -55,6 +56,7 @@ class Sink:
             self._broken = True
 
     def say(self, text: str) -> None:
+        """Write one line of meshrun's own: ``meshrun: text``."""
         self.write(f"meshrun: {text}\n".encode())
 
 
@@ -91,6 +93,7 @@ class Lines:
         return True
 
     def flush(self) -> None:
+        """Forward a last line that has no newline (at end of file, or when closing)."""
         if self._partial:
             self._emit([self._partial])
             self._partial = b""

@@ -67,6 +67,7 @@ class Forked:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
+        """Reap the rank if it exited; its exit code (as ``Popen.returncode``) or None."""
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -78,6 +79,7 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the rank to exit (``subprocess.TimeoutExpired``)."""
         deadline = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() >= deadline:
@@ -89,6 +91,8 @@ class Forked:
 
 @dataclass
 class Rank:
+    """One rank the supervisor started: its process, pidfd, stderr tail and how it ended."""
+
     rank: int
     proc: subprocess.Popen[bytes] | Forked
     pidfd: int | None
@@ -207,9 +211,16 @@ class Supervisor:
     # -- the loop ---------------------------------------------------------------------------
 
     def live(self) -> list[Rank]:
+        """The ranks not reaped yet."""
         return [r for r in self.ranks if r.returncode is None]
 
     def run(self, wakeup_fd: int | None, received: list[int]) -> int:
+        """Supervise until every rank exited; return meshrun's exit status for this attempt.
+
+        Args:
+            wakeup_fd: the signal pipe of :func:`~meshcomm._run_signals.catch_stop_signals`.
+            received: the signals recorded there, handled (and removed) as they come.
+        """
         if wakeup_fd is not None:
             self.selector.register(wakeup_fd, selectors.EVENT_READ, "wakeup")
         with_pidfds = all(r.pidfd is not None for r in self.ranks)
