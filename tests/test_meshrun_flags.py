@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from meshcomm._rank_logs import Route
+from meshcomm._run_args import build_parser
 from meshcomm._torchrun_flags import FlagError, parse_endpoint, parse_std_map
-from meshcomm.run import _build_parser, child_environment, parse_args
+from meshcomm.run import child_environment, parse_args
 
 ROOT = Path(__file__).parent.parent
 RUN_TIMEOUT = 90.0
@@ -407,7 +408,7 @@ def test_flag_parsers() -> None:
 
 
 def _meshrun_options() -> set[str]:
-    return set(_build_parser()._option_string_actions)
+    return set(build_parser()._option_string_actions)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")

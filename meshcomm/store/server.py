@@ -7,6 +7,12 @@ breaks the protocol (wrong magic, unknown opcode, oversized length prefix, garba
 dropped alone; the others are never disturbed. Memory per connection stays bounded: the
 decoder refuses oversized frames from their header, a connection whose replies pile up
 (``_HIGH_WATER``) is not read until they drain, and parked requests per connection are capped.
+
+This module is the server's socket side: the selector loop, accepting, the handshake, sending
+and dropping. The rest lives apart: where it listens in :mod:`meshcomm.store._address`, the
+memory budget in :mod:`meshcomm.store._budget`, a connection's state in
+:mod:`meshcomm.store._conn`, the answers to requests in :mod:`meshcomm.store._handlers`, and
+parked requests in :mod:`meshcomm.store._waiters`.
 """
 
 from __future__ import annotations
@@ -15,22 +21,30 @@ import collections
 import contextlib
 import errno
 import functools
-import heapq
-import itertools
 import logging
-import math
-import os
-import re
 import selectors
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
 
 from meshcomm._secret import job_secret, matches, new_nonce, proof, session_key
 from meshcomm.errors import InvalidArgument, ProtocolError, StoreError
 from meshcomm.store import wire
+from meshcomm.store._address import (
+    DEFAULT_BACKLOG,
+    bind_listener,
+    check_host_port,
+    format_address,
+)
+from meshcomm.store._budget import (
+    DEFAULT_MEMORY_LIMIT,
+    MEMORY_ENV,
+    MemoryBudget,
+    parse_memory_limit,
+)
+from meshcomm.store._conn import Conn
+from meshcomm.store._handlers import RequestHandler
+from meshcomm.store._waiters import Waiters
 from meshcomm.store.memory import KVState
 
 __all__ = [
@@ -39,38 +53,20 @@ __all__ = [
     "HANDSHAKE_TIMEOUT",
     "MEMORY_ENV",
     "StoreServer",
+    "check_host_port",
     "format_address",
     "parse_memory_limit",
 ]
 
-#: ``listen()`` backlog: large so that hundreds of ranks can connect at once without resets.
-DEFAULT_BACKLOG = 2048
-#: The store's total memory budget in bytes unless ``memory_limit=`` or ``MESHCOMM_STORE_MEMORY``
-#: says otherwise: keys and values, parked requests, unsent replies and frames being received.
-DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
-#: The environment variable that sets the budget (bytes, or a number with K, M or G: MiB...).
-MEMORY_ENV = "MESHCOMM_STORE_MEMORY"
 #: Seconds a new connection has to finish the handshake (authentication included) before it
 #: is dropped: a half-open or slowloris connection costs a socket and < 100 bytes, for so long.
 HANDSHAKE_TIMEOUT = 10.0
-# Smallest budget accepted: below it even bootstrap traffic would be refused.
-_MIN_MEMORY_LIMIT = 1024 * 1024
-# What a key/value pair costs beyond its bytes (two bytes objects and a dict slot), and a
-# parked request beyond its keys; rough, so that a flood of tiny keys is counted too.
-_ENTRY_OVERHEAD = 128
-_WAITER_OVERHEAD = 256
-_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 _log = logging.getLogger("meshcomm.store")
 
 _RECV_BYTES = 256 * 1024
 # Stop reading a connection whose unsent replies exceed this; resume once they drain.
 _HIGH_WATER = 4 * 1024 * 1024
-# Parked (blocking) requests one connection may hold; a well-behaved client has one.
-_MAX_PARKED = 256
-_WRITES = frozenset(
-    (wire.OP_SET, wire.OP_ADD, wire.OP_COMPARE_SET, wire.OP_MULTI_SET, wire.OP_APPEND)
-)
 # Longest single sleep in select(): epoll refuses timeouts past ~24.8 days (2**31 ms), and a
 # waiter with no deadline must not become one; a periodic wake-up costs nothing.
 _MAX_POLL = 3600.0
@@ -79,122 +75,6 @@ _ACCEPT_PAUSE = 0.1
 _ACCEPT_BATCH = 512
 _LISTENER = object()
 _WAKE = object()
-
-
-def format_address(host: str, port: int) -> str:
-    """Return ``host:port``, with brackets around an IPv6 literal.
-
-    Example:
-        >>> format_address("127.0.0.1", 29500), format_address("::1", 80)
-        ('127.0.0.1:29500', '[::1]:80')
-    """
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_memory_limit(value: int | str | None = None) -> int:
-    """The store's memory budget in bytes: ``value``, else ``MESHCOMM_STORE_MEMORY``, else 256 MiB.
-
-    A str may carry a binary unit: ``"512M"``, ``"2G"`` (``"MiB"``, ``"GB"`` spellings too).
-
-    Raises:
-        InvalidArgument: not a whole number of bytes, or under 1 MiB; names the value.
-
-    Example:
-        >>> parse_memory_limit("512M"), parse_memory_limit(2**30)
-        (536870912, 1073741824)
-    """
-    source = "memory_limit"
-    if value is None:
-        value = os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY_LIMIT
-        source = MEMORY_ENV
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]?)(?:I?B)?\s*", value.upper())
-        if match is None:
-            raise InvalidArgument(
-                f"{source} must be a number of bytes, optionally with K, M, G or T, got {value!r}"
-            )
-        limit = int(match.group(1)) * _UNITS[match.group(2)]
-    elif isinstance(value, int) and not isinstance(value, bool):
-        limit = value
-    else:
-        raise InvalidArgument(f"{source} must be an int or a str, got {type(value).__name__}")
-    if limit < _MIN_MEMORY_LIMIT:
-        raise InvalidArgument(
-            f"{source} must be at least {_MIN_MEMORY_LIMIT} bytes (1 MiB), got {value!r}"
-        )
-    return limit
-
-
-def check_host_port(host: str, port: int) -> None:
-    """Validate a store address before any I/O.
-
-    Raises:
-        InvalidArgument: ``host`` is not a non-empty str or ``port`` not an int in [0, 65535].
-    """
-    if not isinstance(host, str) or not host:
-        # An empty host would bind every interface; the store binds only what it is given.
-        raise InvalidArgument(f"store host must be a non-empty str, got {host!r}")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise InvalidArgument(f"store port must be an int in [0, 65535], got {port!r}")
-
-
-class _Conn:
-    """One client connection: socket, decoder, unsent replies, parked requests."""
-
-    __slots__ = (
-        "events",
-        "flags",
-        "held",
-        "nonces",
-        "out",
-        "parked",
-        "peer",
-        "proto",
-        "ready",
-        "reserved",
-        "since",
-        "sock",
-        "stalled",
-    )
-
-    def __init__(self, sock: socket.socket, peer: object) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.proto = wire.ServerConnection()
-        # Bytes this connection counts against the budget (``out`` and input), and the size
-        # of the large frame admitted and still arriving (counted whole from its header on).
-        self.held = 0
-        self.reserved = 0
-        # The handshake: done (``ready``), when it began, the hello's flags, and the
-        # (client, server) nonces while a proof is awaited.
-        self.ready = False
-        self.since = time.monotonic()
-        self.flags = 0
-        self.nonces = (b"", b"")
-        self.out = bytearray()
-        self.parked: set[_Waiter] = set()
-        self.events = selectors.EVENT_READ
-        # Complete requests wait in ``proto`` because ``out`` is over the high-water mark;
-        # the socket is not read until they are handled, so ``proto`` cannot grow.
-        self.stalled = False
-
-
-class _Waiter:
-    """A parked GET / WAIT / MULTI_GET, filed under one of its missing keys."""
-
-    __slots__ = ("conn", "cost", "deadline", "done", "key", "keys", "op", "rid")
-
-    def __init__(
-        self, conn: _Conn, rid: int, op: int, keys: list[bytes], key: bytes, deadline: float
-    ) -> None:
-        self.conn = conn
-        self.rid = rid
-        self.op = op
-        self.keys = keys
-        self.key = key
-        self.deadline = deadline
-        self.done = False
-        self.cost = _WAITER_OVERHEAD + sum(len(k) + _ENTRY_OVERHEAD for k in keys)
 
 
 class StoreServer:
@@ -250,14 +130,15 @@ class StoreServer:
             )
         self._handshake_timeout = float(handshake_timeout)
         self._secret = job_secret(secret)
-        self._memory_limit = parse_memory_limit(memory_limit)
-        self._stored = 0  # keys and values, with _ENTRY_OVERHEAD each
-        self._io = 0  # the sum of every connection's ``held``
-        self._parked_bytes = 0
+        self._budget = MemoryBudget(parse_memory_limit(memory_limit))
         self._host = host
-        self._listener = _bind(host, port, backlog)
+        self._listener = bind_listener(host, port, backlog)
         self._port: int = self._listener.getsockname()[1]
         self._state = KVState()
+        self._waiters = Waiters(self._budget)
+        self._requests = RequestHandler(
+            self._state, self._budget, self._waiters, self.address, self._flush
+        )
         self._rbuf = bytearray(_RECV_BYTES)
         self._rview = memoryview(self._rbuf)
         self._sel = selectors.DefaultSelector()
@@ -266,14 +147,10 @@ class StoreServer:
         self._wake_w.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
-        self._conns: set[_Conn] = set()
-        self._ready: set[_Conn] = set()
-        self._waiters: dict[bytes, list[_Waiter]] = {}
-        self._deadlines: list[tuple[float, int, _Waiter]] = []
-        self._stale_deadlines = 0
-        self._seq = itertools.count()
+        self._conns: set[Conn] = set()
+        self._ready: set[Conn] = set()
         self._accept_resume: float | None = None
-        self._handshakes: collections.deque[_Conn] = collections.deque()
+        self._handshakes: collections.deque[Conn] = collections.deque()
         self._registered = 0
         self._clients_cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -317,13 +194,13 @@ class StoreServer:
     @property
     def memory_limit(self) -> int:
         """The memory budget in bytes."""
-        return self._memory_limit
+        return self._budget.limit
 
     @property
     def memory_used(self) -> int:
         """Bytes counted against the budget now: stored keys and values (with a per-entry
         overhead), parked requests, unsent replies and frames being received."""
-        return self._stored + self._io + self._parked_bytes
+        return self._budget.used
 
     @property
     def registered_clients(self) -> int:
@@ -408,7 +285,7 @@ class StoreServer:
         while not self._stopping:
             for key, mask in select(self._poll_timeout()):
                 data = key.data
-                if isinstance(data, _Conn):
+                if isinstance(data, Conn):
                     try:
                         if mask & selectors.EVENT_WRITE:
                             self._flush(data)
@@ -421,7 +298,8 @@ class StoreServer:
                     self._accept()
                 else:
                     self._drain_wake()
-            if self._deadlines or self._handshakes or self._accept_resume is not None:
+            waiting = self._waiters.next_deadline is not None
+            if waiting or self._handshakes or self._accept_resume is not None:
                 self._on_timers(time.monotonic())
             while self._ready:
                 conn = self._ready.pop()
@@ -430,7 +308,7 @@ class StoreServer:
                     self._flush(conn)
 
     def _poll_timeout(self) -> float | None:
-        when = self._deadlines[0][0] if self._deadlines else None
+        when = self._waiters.next_deadline
         if self._accept_resume is not None and (when is None or self._accept_resume < when):
             when = self._accept_resume
         if self._handshakes:
@@ -461,8 +339,8 @@ class StoreServer:
             sock.setblocking(False)
             with contextlib.suppress(OSError):  # the peer already reset; the first recv will say so
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, peer)
-            conn.proto = wire.ServerConnection(functools.partial(self._admit, conn))
+            conn = Conn(sock, peer)
+            conn.proto = wire.ServerConnection(functools.partial(self._requests.admit, conn))
             self._conns.add(conn)
             self._handshakes.append(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -479,18 +357,9 @@ class StoreServer:
             conn = handshakes.popleft()
             if not conn.ready:
                 self._drop(conn, f"no handshake within {self._handshake_timeout:g} s")
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            waiter = heapq.heappop(deadlines)[2]
-            if waiter.done:
-                self._stale_deadlines -= 1
-                continue
-            self._unpark(waiter, stale=False)
-            conn = waiter.conn
-            conn.proto.frame(conn.out, wire.timed_out(waiter.rid, self._state.missing(waiter.keys)))
-            self._flush(conn)
+        self._requests.expire(now)
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Conn) -> None:
         try:
             # Into one reused buffer: a fresh 256 KiB bytes per recv costs an mmap/munmap pair.
             size = conn.sock.recv_into(self._rbuf)
@@ -503,12 +372,12 @@ class StoreServer:
             self._drop(conn, None)
             return
         conn.proto.receive_data(self._rview[:size])
-        self._account(conn)
+        self._budget.account(conn)
         self._process(conn)
         if conn.sock.fileno() >= 0:
             self._flush(conn)
 
-    def _process(self, conn: _Conn) -> None:
+    def _process(self, conn: Conn) -> None:
         """Handle the complete requests buffered on ``conn`` while its replies fit."""
         proto = conn.proto
         conn.stalled = True
@@ -521,8 +390,8 @@ class StoreServer:
                 if isinstance(event, wire.Request):
                     if conn.reserved:
                         conn.reserved = 0
-                        self._account(conn)
-                    self._handle(conn, event.rid, event.op, event.args)
+                        self._budget.account(conn)
+                    self._requests.handle(conn, event.rid, event.op, event.args)
                 elif isinstance(event, wire.Refused):
                     conn.proto.frame(conn.out, wire.error(event.rid, event.reason))
                 elif isinstance(event, wire.ClientProof):
@@ -542,7 +411,7 @@ class StoreServer:
             level = logging.WARNING if proto.authenticated else logging.INFO
             self._drop(conn, f"protocol violation: {exc}", level)
 
-    def _on_hello(self, conn: _Conn, hello: wire.Hello) -> None:
+    def _on_hello(self, conn: Conn, hello: wire.Hello) -> None:
         if hello.version != wire.PROTOCOL_VERSION:
             _log.info(
                 "store %s: dropping %s: protocol version %d, this server speaks %d",
@@ -584,7 +453,7 @@ class StoreServer:
         conn.out += wire.challenge(mine, proof(secret, b"server", b"store", hello.nonce, mine))
         conn.proto.expect_proof(session_key(secret, b"store", hello.nonce, mine))
 
-    def _on_proof(self, conn: _Conn, answer: bytes) -> None:
+    def _on_proof(self, conn: Conn, answer: bytes) -> None:
         assert self._secret is not None  # only a server with a secret asks for a proof
         theirs, mine = conn.nonces
         conn.nonces = (b"", b"")  # one proof per challenge
@@ -599,7 +468,7 @@ class StoreServer:
         conn.out += wire.auth_result(True)
         self._admitted(conn)
 
-    def _admitted(self, conn: _Conn) -> None:
+    def _admitted(self, conn: Conn) -> None:
         """The handshake is done: count a registering client."""
         conn.ready = True
         if conn.flags & wire.FLAG_REGISTER:
@@ -607,267 +476,15 @@ class StoreServer:
                 self._registered += 1
                 self._clients_cond.notify_all()
 
-    def _refuse(self, conn: _Conn, answer: bytes) -> None:
+    def _refuse(self, conn: Conn, answer: bytes) -> None:
         """Send a last handshake answer (best effort) and drop the connection."""
         with contextlib.suppress(OSError):  # it is being dropped either way
             conn.sock.send(answer)
         self._drop(conn, None)
 
-    # --- requests ----------------------------------------------------------------------------
-
-    def _handle(self, conn: _Conn, rid: int, op: int, args: tuple[Any, ...]) -> None:
-        state = self._state
-        out = conn.out
-        if op == wire.OP_GET:
-            timeout, key = args
-            value = state.data.get(key)
-            if value is None:
-                self._park(conn, rid, op, [key], timeout)
-            else:
-                self._answer(conn, rid, op, [key])
-        elif op in _WRITES:
-            self._write(conn, rid, op, args)
-        elif op in (wire.OP_WAIT, wire.OP_MULTI_GET):
-            timeout, keys = args
-            if state.missing(keys):
-                self._park(conn, rid, op, keys, timeout)
-            else:
-                self._answer(conn, rid, op, keys)
-        elif op == wire.OP_CHECK:
-            conn.proto.frame(out, wire.ok_bool(rid, not state.missing(args[0])))
-        elif op == wire.OP_DELETE:
-            before = self._entry(args[0])
-            conn.proto.frame(out, wire.ok_bool(rid, state.delete(args[0])))
-            self._stored -= before
-        elif op == wire.OP_NUM_KEYS:
-            conn.proto.frame(out, wire.ok_int(rid, len(state.data)))
-        else:  # OP_PING; the decoder admits no other opcode
-            conn.proto.frame(out, wire.ok(rid))
-
-    def _write(self, conn: _Conn, rid: int, op: int, args: tuple[Any, ...]) -> None:
-        """SET, ADD, COMPARE_SET, MULTI_SET, APPEND: refused if the result would not fit."""
-        state = self._state
-        if op == wire.OP_MULTI_SET:
-            final = dict(zip(args[0], args[1], strict=True))  # a repeated key: the last wins
-            keys = list(final)
-            after = sum(len(k) + len(v) + _ENTRY_OVERHEAD for k, v in final.items())
-        else:
-            keys = [args[0]]
-            size = len(args[0]) + _ENTRY_OVERHEAD
-            if op == wire.OP_SET:
-                after = size + len(args[1])
-            elif op == wire.OP_APPEND:
-                after = max(self._entry(args[0]), size) + len(args[1])
-            elif op == wire.OP_ADD:
-                after = size + 20  # the decimal digits of an int64
-            else:  # COMPARE_SET: at most the desired value
-                after = size + len(args[2])
-        before = sum(self._entry(k) for k in keys)
-        used = self.memory_used
-        if after > before and used + after - before > self._memory_limit:
-            conn.proto.frame(
-                conn.out,
-                wire.error(
-                    rid,
-                    f"{wire.OP_NAMES[op]} of key {keys[0][:64]!r} refused: {after - before} more "
-                    f"bytes would take the store to {used + after - before} bytes, over its "
-                    f"memory budget of {self._memory_limit} bytes ({self._usage()}); "
-                    f"raise it with memory_limit= or {MEMORY_ENV}",
-                ),
-            )
-            return
-        out = conn.out
-        if op == wire.OP_SET:
-            state.data[args[0]] = args[1]
-            conn.proto.frame(out, wire.ok(rid))
-        elif op == wire.OP_ADD:
-            try:
-                total = state.add(args[0], args[1])
-            except StoreError as exc:
-                conn.proto.frame(out, wire.error(rid, str(exc)))
-                return
-            conn.proto.frame(out, wire.ok_int(rid, total))
-        elif op == wire.OP_COMPARE_SET:
-            conn.proto.frame(out, wire.ok_value(rid, state.compare_set(*args)))
-        elif op == wire.OP_MULTI_SET:
-            state.multi_set(*args)
-            conn.proto.frame(out, wire.ok(rid))
-        else:
-            state.append(args[0], args[1])
-            conn.proto.frame(out, wire.ok(rid))
-        self._stored += sum(self._entry(k) for k in keys) - before
-        if self._waiters:
-            for key in keys:
-                self._notify(key)
-
-    def _entry(self, key: bytes) -> int:
-        """What ``key`` and its value cost against the budget (0 if missing)."""
-        value = self._state.data.get(key)
-        return 0 if value is None else len(key) + len(value) + _ENTRY_OVERHEAD
-
-    def _usage(self) -> str:
-        return (
-            f"{self._stored} in keys and values, {self._io} in connection buffers, "
-            f"{self._parked_bytes} in parked requests"
-        )
-
-    def _admit(self, conn: _Conn, rid: int, op: int, length: int) -> str | None:
-        """Reserve room for a large frame from its header, or say why it is refused."""
-        need = wire.HEADER_SIZE + length
-        extra = max(0, need - conn.proto.buffered)
-        used = self.memory_used
-        if used + extra > self._memory_limit:
-            _log.info(
-                "store %s: refusing a %d-byte %s from %s: memory budget %d, in use %d",
-                self.address,
-                length,
-                wire.OP_NAMES[op],
-                conn.peer,
-                self._memory_limit,
-                used,
-            )
-            return (
-                f"{wire.OP_NAMES[op]} request of {length} bytes refused: it would take the store "
-                f"to {used + extra} bytes, over its memory budget of {self._memory_limit} bytes "
-                f"({self._usage()}); raise it with memory_limit= or {MEMORY_ENV}"
-            )
-        conn.reserved = need
-        self._account(conn)
-        return None
-
-    def _account(self, conn: _Conn) -> None:
-        """Recount what ``conn`` holds: unsent replies, and its input or admitted frame."""
-        held = len(conn.out) + max(conn.proto.buffered, conn.reserved)
-        self._io += held - conn.held
-        conn.held = held
-
-    def _answer(self, conn: _Conn, rid: int, op: int, keys: Sequence[bytes]) -> None:
-        """Reply OK to a GET / WAIT / MULTI_GET whose keys all exist (or ERROR if too big)."""
-        data = self._state.data
-        out = conn.out
-        if op == wire.OP_WAIT:
-            conn.proto.frame(out, wire.ok(rid))
-            return
-        if op == wire.OP_GET:
-            value = data[keys[0]]
-            size = len(value)
-        else:
-            values = [data[key] for key in keys]
-            size = sum(len(v) + 4 for v in values) + 4
-            if size > wire.MAX_BODY_BYTES:
-                conn.proto.frame(
-                    out,
-                    wire.error(
-                        rid,
-                        f"multi_get of {len(keys)} keys totals {size} bytes, over the "
-                        f"{wire.MAX_BODY_BYTES}-byte frame limit; get the keys one at a time",
-                    ),
-                )
-                return
-        used = self.memory_used
-        if size > wire.ADMIT_THRESHOLD and used + size > self._memory_limit:
-            conn.proto.frame(
-                out,
-                wire.error(
-                    rid,
-                    f"{wire.OP_NAMES[op]} reply of {size} bytes refused: it would take the store "
-                    f"to {used + size} bytes, over its memory budget of {self._memory_limit} bytes "
-                    f"({self._usage()}); read earlier replies first, or raise the budget with "
-                    f"memory_limit= or {MEMORY_ENV}",
-                ),
-            )
-            return
-        if op == wire.OP_GET:
-            # Header and value appended apart: one copy of a large value, not two.
-            conn.proto.frame(out, wire.ok_header(rid, size), value)
-        else:
-            conn.proto.frame(out, wire.ok_values(rid, values))
-        self._account(conn)
-
-    def _park(self, conn: _Conn, rid: int, op: int, keys: list[bytes], timeout: float) -> None:
-        if len(conn.parked) >= _MAX_PARKED:
-            conn.proto.frame(
-                conn.out,
-                wire.error(
-                    rid,
-                    f"{wire.OP_NAMES[op]} refused: {_MAX_PARKED} blocking requests are already "
-                    f"parked on this connection, the most one connection may park",
-                ),
-            )
-            return
-        missing = self._state.missing(keys)
-        # The decoder clamped timeout into [0, FOREVER]; FOREVER means no deadline at all,
-        # so no huge float ever reaches the heap or select().
-        forever = timeout >= wire.FOREVER
-        deadline = math.inf if forever else time.monotonic() + timeout
-        waiter = _Waiter(conn, rid, op, keys, missing[0], deadline)
-        used = self.memory_used
-        if used + waiter.cost > self._memory_limit:
-            conn.proto.frame(
-                conn.out,
-                wire.error(
-                    rid,
-                    f"{wire.OP_NAMES[op]} of {len(keys)} keys refused: parking it costs "
-                    f"{waiter.cost} bytes, which would take the store to {used + waiter.cost} "
-                    f"bytes, over its memory budget of {self._memory_limit} bytes "
-                    f"({self._usage()})",
-                ),
-            )
-            return
-        self._parked_bytes += waiter.cost
-        self._waiters.setdefault(waiter.key, []).append(waiter)
-        conn.parked.add(waiter)
-        if not forever:
-            heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
-
-    def _notify(self, key: bytes) -> None:
-        """``key`` now exists: answer or re-file the requests parked under it."""
-        waiters = self._waiters.pop(key, None)
-        if not waiters:
-            return
-        state = self._state
-        for waiter in waiters:
-            if waiter.done:
-                continue
-            missing = state.missing(waiter.keys)
-            if missing:
-                waiter.key = missing[0]
-                self._waiters.setdefault(waiter.key, []).append(waiter)
-                continue
-            waiter.done = True
-            if waiter.deadline != math.inf:  # only waiters with a deadline sit in the heap
-                self._stale_deadlines += 1
-            self._parked_bytes -= waiter.cost
-            conn = waiter.conn
-            conn.parked.discard(waiter)
-            self._answer(conn, waiter.rid, waiter.op, waiter.keys)
-            self._flush(conn)
-        self._compact_deadlines()
-
-    def _unpark(self, waiter: _Waiter, stale: bool) -> None:
-        """Withdraw a waiter (timed out, or its connection dropped)."""
-        waiter.done = True
-        self._parked_bytes -= waiter.cost
-        if stale and waiter.deadline != math.inf:
-            self._stale_deadlines += 1
-        waiter.conn.parked.discard(waiter)
-        filed = self._waiters.get(waiter.key)
-        if filed is not None:
-            with contextlib.suppress(ValueError):  # filed under a list being notified right now
-                filed.remove(waiter)
-            if not filed:
-                del self._waiters[waiter.key]
-
-    def _compact_deadlines(self) -> None:
-        # Answered waiters stay in the heap until their deadline; rebuild when they dominate.
-        if self._stale_deadlines > 1024 and self._stale_deadlines * 2 > len(self._deadlines):
-            self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
-            heapq.heapify(self._deadlines)
-            self._stale_deadlines = 0
-
     # --- output and teardown -----------------------------------------------------------------
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Conn) -> None:
         out = conn.out
         if out:
             try:
@@ -888,9 +505,9 @@ class StoreServer:
         if events and events != conn.events and conn.sock.fileno() >= 0:
             conn.events = events
             self._sel.modify(conn.sock, events, conn)
-        self._account(conn)
+        self._budget.account(conn)
 
-    def _drop(self, conn: _Conn, reason: str | None, level: int = logging.INFO) -> None:
+    def _drop(self, conn: Conn, reason: str | None, level: int = logging.INFO) -> None:
         if conn not in self._conns:
             return
         if reason is not None:
@@ -908,16 +525,16 @@ class StoreServer:
         self._conns.discard(conn)
         self._ready.discard(conn)
         for waiter in list(conn.parked):
-            self._unpark(waiter, stale=True)
+            self._waiters.unpark(waiter, stale=True)
         with contextlib.suppress(KeyError, ValueError):  # never registered, or already closed
             self._sel.unregister(conn.sock)
         conn.sock.close()
         conn.out = bytearray()  # clear() would keep the capacity while the conn lives on
         conn.proto = wire.ServerConnection()
         conn.reserved = 0
-        self._io -= conn.held
+        self._budget.io -= conn.held
         conn.held = 0
-        self._compact_deadlines()
+        self._waiters.compact()
 
     def _cleanup(self) -> None:
         with self._lifecycle:
@@ -933,27 +550,3 @@ class StoreServer:
         self._wake_w.close()
         with self._clients_cond:
             self._clients_cond.notify_all()
-
-
-def _bind(host: str, port: int, backlog: int) -> socket.socket:
-    address = format_address(host, port)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise StoreError(f"cannot start the store server on {address}: {exc}") from exc
-    family, kind, proto, _, sockaddr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        # Lets a restarted server rebind over TIME_WAIT leftovers; never a live listener's port.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise StoreError(
-                f"cannot start the store server on {address}: the port is already in use"
-            ) from exc
-        raise StoreError(f"cannot start the store server on {address}: {exc}") from exc
-    return sock
