@@ -155,13 +155,14 @@ def _nccl() -> dict[str, Any]:
     except Exception as exc:
         out["reason"] = f"cupy is installed but NCCL is not usable: {type(exc).__name__}: {exc}"
         return out
-    # cupy and NCCL being importable is not a backend: say so until meshcomm has one.
-    out["available"] = _has("meshcomm.backends.nccl")
-    if not out["available"]:
-        out["reason"] = (
-            f"meshcomm has no nccl backend yet (cupy {out['cupy']} and NCCL {out['nccl']} "
-            "found); cupy arrays go through host memory on tcp and mpi"
-        )
+    # The communicator exists, but groups do not dispatch device arrays to it yet: a user
+    # who sees "available" would expect meshcomm.init(backend="nccl") to work.
+    out["available"] = False
+    out["reason"] = (
+        f"cupy {out['cupy']} and NCCL {out['nccl']} found; meshcomm's NCCL communicator "
+        "exists but process groups do not use it yet (docs/backends/nccl.md): cupy arrays "
+        "go through host memory on tcp and mpi"
+    )
     return out
 
 

@@ -51,4 +51,10 @@ def create_world_communicator(
         from meshcomm.backends.tcp import TcpCommunicator
 
         return TcpCommunicator.create_world(rank, size, store, timeout, secret=secret)
-    raise InvalidArgument(f"backend {backend!r} is not available yet in this build of meshcomm")
+    if backend == "nccl":
+        raise InvalidArgument(
+            "backend 'nccl': the NCCL communicator exists (meshcomm.backends.nccl, see "
+            "docs/backends/nccl.md) but process groups do not hand it device arrays yet; use "
+            "'tcp' or 'mpi', which take cupy arrays and CUDA tensors through host memory"
+        )
+    raise InvalidArgument(f"backend {backend!r} is not available in this build of meshcomm")

@@ -1,0 +1,434 @@
+"""The nccl backend's Communicator: collectives on GPU buffers, queued on a stream of its own.
+
+Buffers are 1-D, C-contiguous device arrays (cupy, or anything with
+``__cuda_array_interface__``) on the device current when the communicator first ran.
+
+**Streams.** Each communicator has its own CUDA stream. A call makes that stream wait for
+the caller's current stream (an event), queues the NCCL kernel there, and makes the
+caller's stream wait for it: the call returns without synchronizing the host, and the
+result is safe to use on the caller's stream (torch's ``wait_tensor`` semantics). Only
+``barrier`` and ``recv`` (which must learn the incoming shape) wait on the host.
+
+**Bootstrap.** The NCCL communicator is made on the first call, by every member at once
+(members make their collectives in the same order): rank 0 draws the unique id and puts it
+in the job's store (authenticated with the job's secret), the others read it there.
+``ncclCommInitRank`` has no timeout of its own, so it runs in a helper thread and a member
+missing past the timeout is named from the store's arrival keys.
+
+**Faults.** An NCCL call returns once queued, so a peer that never calls is found by the
+watchdog (:mod:`._watchdog`): past the timeout it aborts the NCCL communicator, and the
+next call on this communicator raises ``CommTimeout`` naming the operation that did not
+complete and the group; every later call fails fast with that reason.
+
+Example (needs a GPU, cupy and NCCL):
+    >>> import cupy as cp                                         # doctest: +SKIP
+    >>> from meshcomm.store import HashStore                      # doctest: +SKIP
+    >>> comm = NcclCommunicator.create_world(0, 1, HashStore(), 10.0)  # doctest: +SKIP
+    >>> x = cp.arange(4, dtype=cp.float32)                        # doctest: +SKIP
+    >>> comm.all_reduce(x, ReduceOp.SUM); x                       # doctest: +SKIP
+    array([0., 1., 2., 3.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from meshcomm.backends.base import Communicator
+from meshcomm.backends.nccl import _lib
+from meshcomm.backends.nccl._watchdog import WATCHDOG
+from meshcomm.errors import CommError, CommTimeout, InvalidArgument, ProtocolError
+from meshcomm.reduction import ReduceOp
+from meshcomm.store.base import Store
+
+__all__ = ["NcclCommunicator"]
+
+#: Key prefix of the world communicator's bootstrap in the job's store.
+_PREFIX = "meshcomm/nccl"
+#: A point-to-point header: tag, dtype index, ndim, then up to _MAX_NDIM extents.
+_MAX_NDIM = 8
+_HEADER = 3 + _MAX_NDIM
+#: Dtypes a message can carry, by their index in the header.
+_MESSAGE_DTYPES = (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
+)  # fmt: skip
+#: How often host waits (barrier, recv, init) look at their event.
+_HOST_POLL_SECONDS = 0.0005
+
+
+def _address(x: Any) -> int:
+    """The device pointer of a cupy array (or of anything with ``__cuda_array_interface__``)."""
+    data = getattr(x, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if isinstance(ptr, int):
+        return ptr
+    return int(x.__cuda_array_interface__["data"][0])
+
+
+def _nbytes(x: Any) -> int:
+    return int(x.size) * int(np.dtype(x.dtype).itemsize)
+
+
+def _dtype_index(dtype: np.dtype) -> int:
+    from meshcomm._arrays import dtype_name
+
+    name = dtype_name(dtype)
+    if name not in _MESSAGE_DTYPES:
+        raise TypeError(f"send: the nccl backend cannot carry dtype {name}")
+    return _MESSAGE_DTYPES.index(name)
+
+
+def _dtype_at(index: int) -> np.dtype:
+    name = _MESSAGE_DTYPES[index]
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class NcclCommunicator(Communicator):
+    """Collectives over NCCL for one group, on cupy (or CUDA array interface) buffers.
+
+    Args:
+        rank: this process's rank in the communicator.
+        global_ranks: the world rank of each member.
+        timeout: seconds an operation may take before the watchdog aborts it.
+        store: the job's store (the unique id and the arrival keys go through it).
+        prefix: this communicator's keys in the store.
+    """
+
+    backend_name = "nccl"
+
+    def __init__(
+        self,
+        rank: int,
+        global_ranks: Sequence[int],
+        timeout: float,
+        store: Store,
+        prefix: str,
+    ) -> None:
+        super().__init__(rank, global_ranks, timeout)
+        self._store = store
+        self._prefix = prefix
+        self._cp, self._nccl_mod = _lib.load()
+        self._nccl: Any = None
+        self._stream: Any = None
+        self._failure: str | None = None
+        self._failure_kind: type[CommError] = CommError
+        self._closed = False
+        self._subs: dict[tuple[int, ...], int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create_world(cls, rank: int, size: int, store: Store, timeout: float) -> NcclCommunicator:
+        """The world communicator (its NCCL communicator is made on the first call).
+
+        Raises:
+            ImportError: cupy or NCCL is missing (the message names the extra).
+            InvalidArgument: bad rank or size.
+        """
+        if not 0 <= rank < size:
+            raise InvalidArgument(f"nccl: rank {rank} is not in [0, {size})")
+        return cls(rank, range(size), timeout, store, _PREFIX)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _ready(self, what: str) -> Any:
+        """The NCCL communicator (made now if this is the first call); raises if failed."""
+        if self._closed:
+            raise CommError(f"{what} {self.label}: the communicator was closed")
+        if self._failure is not None:
+            raise self._failure_kind(
+                f"{what} {self.label}: the NCCL communicator failed earlier: {self._failure}"
+            )
+        if self._nccl is None:
+            self._nccl = self._bootstrap(what)
+            self._stream = self._cp.cuda.Stream(non_blocking=True)
+        return self._nccl
+
+    def _bootstrap(self, what: str) -> Any:
+        store, key = self._store, f"{self._prefix}/uid"
+        if self.rank == 0:
+            store.set(key, _lib.id_to_bytes(self._nccl_mod.get_unique_id()))
+        store.set(f"{self._prefix}/arrived/{self.rank}", b"1")
+        try:
+            store.wait([key], timeout=self.timeout)
+        except Exception as exc:
+            raise CommTimeout(
+                f"{what} {self.label}: rank {self.global_ranks[0]} did not publish the NCCL "
+                f"unique id within {self.timeout:g} s"
+            ) from exc
+        unique_id = _lib.id_from_bytes(store.get(key))
+        made: dict[str, Any] = {}
+
+        device = self._cp.cuda.Device()
+
+        def init() -> None:
+            try:
+                device.use()  # NCCL binds to the device current in the thread that inits
+                made["comm"] = self._nccl_mod.NcclCommunicator(self.size, unique_id, self.rank)
+            except Exception as exc:  # handed to the waiting thread
+                made["error"] = exc
+
+        thread = threading.Thread(target=init, name="meshcomm-nccl-init", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            missing = [
+                self.global_ranks[r]
+                for r in range(self.size)
+                if not store.check([f"{self._prefix}/arrived/{r}"])
+            ]
+            who = f"ranks {missing} never arrived" if missing else "every rank arrived"
+            raise CommTimeout(
+                f"{what} {self.label}: ncclCommInitRank did not complete within "
+                f"{self.timeout:g} s ({who})"
+            )
+        if "error" in made:
+            raise CommError(f"{what} {self.label}: ncclCommInitRank failed: {made['error']}")
+        return made["comm"]
+
+    def async_error(self) -> str | None:
+        """NCCL's asynchronous error of this communicator, in words, or None."""
+        comm = self._nccl
+        if comm is None:
+            return None
+        try:
+            comm.check_async_error()
+        except Exception as exc:  # cupy's NcclError
+            return str(exc)
+        return None
+
+    def fail(self, reason: str, timed_out: bool) -> None:
+        """Abort the NCCL communicator; every later call raises ``reason`` (the watchdog's:
+        ``CommTimeout`` if ``timed_out``, else ``CommError``)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+                self._failure_kind = CommTimeout if timed_out else CommError
+            comm = self._nccl
+        if comm is not None:
+            comm.abort()
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator (abort it if it failed). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        WATCHDOG.forget(self)
+        comm, self._nccl = self._nccl, None
+        if comm is not None:
+            if self._failure is None:
+                self._stream.synchronize()
+                comm.destroy()
+            else:
+                comm.abort()
+
+    # -- queueing ------------------------------------------------------------------------
+    def _queue(self, what: str, launch: Callable[[Any, int], None]) -> Any:
+        """Run ``launch(nccl_comm, stream_ptr)`` on this communicator's stream, ordered after
+        the caller's current stream and before its later work; return the done event."""
+        comm = self._ready(what)
+        caller = self._cp.cuda.get_current_stream()
+        stream = self._stream
+        stream.wait_event(caller.record())
+        try:
+            launch(comm, stream.ptr)
+        except Exception as exc:  # NcclError: a bad argument or an aborted communicator
+            raise CommError(f"{what} {self.label}: NCCL: {exc}") from exc
+        done = stream.record()
+        caller.wait_event(done)
+        WATCHDOG.watch(self, done, self.timeout, f"{what} {self.label}")
+        return done
+
+    def _grouped(self, what: str, launch: Callable[[Any, int], None]) -> Any:
+        """:meth:`_queue` with the launches inside ``ncclGroupStart`` / ``ncclGroupEnd``."""
+        nccl = self._nccl_mod
+
+        def grouped(comm: Any, stream: int) -> None:
+            nccl.groupStart()
+            try:
+                launch(comm, stream)
+            finally:
+                nccl.groupEnd()
+
+        return self._queue(what, grouped)
+
+    def _host_wait(self, what: str, done: Any) -> None:
+        """Wait on the host for ``done``, raising what the watchdog found, or a timeout."""
+        deadline = time.monotonic() + self.timeout + 1.0
+        while not done.done:
+            if self._failure is not None:
+                self._ready(what)  # raises the watchdog's reason
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"{what} {self.label}: not completed within {self.timeout:g} s")
+            time.sleep(_HOST_POLL_SECONDS)
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, buf: Any, op: ReduceOp) -> None:
+        """Reduce ``buf`` across ranks, in place (see :mod:`._lib` for the dtypes and ops)."""
+        dtype, code, per = _lib.reduction_codes(np.dtype(buf.dtype), op, "all_reduce")
+        count, ptr = buf.size * per, _address(buf)
+        self._queue("all_reduce", lambda c, s: c.allReduce(ptr, ptr, count, dtype, code, s))
+
+    def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp) -> None:
+        """Reduce ``send`` across ranks; rank r gets block r in ``recv``."""
+        dtype, code, per = _lib.reduction_codes(np.dtype(send.dtype), op, "reduce_scatter")
+        count, src, dst = recv.size * per, _address(send), _address(recv)
+        self._queue("reduce_scatter", lambda c, s: c.reduceScatter(src, dst, count, dtype, code, s))
+
+    def reduce(self, buf: Any, root: int, op: ReduceOp) -> None:
+        """Reduce ``buf`` onto ``root``, in place there."""
+        dtype, code, per = _lib.reduction_codes(np.dtype(buf.dtype), op, "reduce")
+        count, ptr = buf.size * per, _address(buf)
+        self._queue("reduce", lambda c, s: c.reduce(ptr, ptr, count, dtype, code, root, s))
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        """Fill ``recv`` with every rank's ``send``, by rank (as bytes: any dtype)."""
+        count, src, dst = _nbytes(send), _address(send), _address(recv)
+        self._queue("all_gather", lambda c, s: c.allGather(src, dst, count, _lib.BYTES, s))
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        """Copy root's ``buf`` into every rank's ``buf``."""
+        count, ptr = _nbytes(buf), _address(buf)
+        self._queue("broadcast", lambda c, s: c.bcast(ptr, count, _lib.BYTES, root, s))
+
+    def all_to_all(self, send: Any, recv: Any) -> None:
+        """Block j of ``send`` to rank j; block i of ``recv`` from rank i (grouped send/recv)."""
+        block = _nbytes(send) // self.size
+        src, dst = _address(send), _address(recv)
+
+        def launch(c: Any, s: int) -> None:
+            for peer in range(self.size):
+                c.send(src + peer * block, block, _lib.BYTES, peer, s)
+                c.recv(dst + peer * block, block, _lib.BYTES, peer, s)
+
+        self._grouped("all_to_all", launch)
+
+    def gather(self, send: Any, recv: Any | None, root: int) -> None:
+        """On root, fill ``recv`` with every rank's ``send``."""
+        block, src = _nbytes(send), _address(send)
+        dst = _address(recv) if self.rank == root and recv is not None else 0
+
+        def launch(c: Any, s: int) -> None:
+            if self.rank == root:
+                for peer in range(self.size):
+                    c.recv(dst + peer * block, block, _lib.BYTES, peer, s)
+            c.send(src, block, _lib.BYTES, root, s)
+
+        self._grouped("gather", launch)
+
+    def scatter(self, send: Any | None, recv: Any, root: int) -> None:
+        """Rank r receives block r of root's ``send`` into ``recv``."""
+        block, dst = _nbytes(recv), _address(recv)
+        src = _address(send) if self.rank == root and send is not None else 0
+
+        def launch(c: Any, s: int) -> None:
+            if self.rank == root:
+                for peer in range(self.size):
+                    c.send(src + peer * block, block, _lib.BYTES, peer, s)
+            c.recv(dst, block, _lib.BYTES, root, s)
+
+        self._grouped("scatter", launch)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered (a one-element all_reduce, waited on the host)."""
+        token = self._cp.zeros(1, dtype=self._cp.int32)
+        ptr = _address(token)
+        dtype, code, _ = _lib.reduction_codes(np.dtype(np.int32), ReduceOp.SUM, "barrier")
+        done = self._queue("barrier", lambda c, s: c.allReduce(ptr, ptr, 1, dtype, code, s))
+        self._host_wait("barrier", done)
+
+    # -- point to point ------------------------------------------------------------------
+    def send(self, array: Any, dst: int, tag: int) -> None:
+        """Send ``array`` (its dtype and shape travel first, in a small header)."""
+        if array.ndim > _MAX_NDIM:
+            raise InvalidArgument(
+                f"send {self.label}: the nccl backend sends arrays of up to {_MAX_NDIM} "
+                f"dimensions, got {array.ndim}"
+            )
+        head = np.zeros(_HEADER, np.int64)
+        head[:3] = (tag, _dtype_index(np.dtype(array.dtype)), array.ndim)
+        head[3 : 3 + array.ndim] = array.shape
+        header = self._cp.asarray(head)
+        body = self._cp.ascontiguousarray(array)
+        hptr, bptr, nbytes = _address(header), _address(body), _nbytes(body)
+
+        def launch(c: Any, s: int) -> None:
+            c.send(hptr, _HEADER * 8, _lib.BYTES, dst, s)
+            if nbytes:
+                c.send(bptr, nbytes, _lib.BYTES, dst, s)
+
+        self._grouped("send", launch)
+
+    def recv(self, src: int | None, tag: int) -> tuple[Any, int]:
+        """Receive an array sent to this rank by ``src`` with ``tag``.
+
+        Raises:
+            InvalidArgument: ``src`` is None (NCCL receives from a named rank only).
+            ProtocolError: the message carries another tag.
+        """
+        if src is None:
+            raise InvalidArgument(
+                f"recv {self.label}: the nccl backend receives from a named rank only "
+                "(NCCL has no any-source receive)"
+            )
+        header = self._cp.empty(_HEADER, dtype=self._cp.int64)
+        hptr = _address(header)
+        done = self._queue("recv", lambda c, s: c.recv(hptr, _HEADER * 8, _lib.BYTES, src, s))
+        self._host_wait("recv", done)
+        head = self._cp.asnumpy(header)
+        if int(head[0]) != tag:
+            raise ProtocolError(
+                f"recv {self.label}: rank {self.global_ranks[src]} sent tag {int(head[0])}, "
+                f"rank {self.global_ranks[self.rank]} expected tag {tag}"
+            )
+        shape = tuple(int(n) for n in head[3 : 3 + int(head[2])])
+        out = self._cp.empty(shape, dtype=_dtype_at(int(head[1])))
+        nbytes, optr = _nbytes(out), _address(out)
+        if nbytes:
+            self._queue("recv", lambda c, s: c.recv(optr, nbytes, _lib.BYTES, src, s))
+        return out, src
+
+    def permute(self, send: Any, dst: int | None, recv: Any, src: int | None) -> None:
+        """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (either may be None)."""
+        sptr, rptr = _address(send), _address(recv)
+        sbytes, rbytes = _nbytes(send), _nbytes(recv)
+
+        def launch(c: Any, s: int) -> None:
+            if dst is not None:
+                c.send(sptr, sbytes, _lib.BYTES, dst, s)
+            if src is not None:
+                c.recv(rptr, rbytes, _lib.BYTES, src, s)
+
+        self._grouped("permute", launch)
+
+    # -- groups --------------------------------------------------------------------------
+    def sub(self, ranks: Sequence[int]) -> NcclCommunicator:
+        """A communicator over ``ranks`` (its NCCL communicator made on its first call).
+
+        Members call it with the same list, in the same order relative to their other
+        ``sub`` calls with that list; the n-th such call of each member gets the same keys.
+
+        Raises:
+            InvalidArgument: duplicate or out-of-range ranks, or this rank is not a member.
+        """
+        members = tuple(int(r) for r in ranks)
+        me = self.global_ranks[self.rank]
+        if len(set(members)) != len(members) or not all(0 <= r < self.size for r in members):
+            raise InvalidArgument(
+                f"rank {me}: sub ranks must be distinct ranks in [0, {self.size}), got "
+                f"{list(ranks)}"
+            )
+        if self.rank not in members:
+            raise InvalidArgument(f"rank {me}: sub is called by members only, not {members}")
+        made = self._subs.get(members, 0)
+        self._subs[members] = made + 1
+        glob = [self.global_ranks[r] for r in members]
+        prefix = f"{self._prefix}/sub/{'-'.join(map(str, glob))}/{made}"
+        return NcclCommunicator(members.index(self.rank), glob, self.timeout, self._store, prefix)
