@@ -281,6 +281,11 @@ def format_report(facts: dict[str, Any]) -> str:
         lines.append(f"GPUs (driver {gpus['driver']}):")
         for d in gpus["devices"]:
             lines.append(f"  {d['index']}: {d['name']}, {d['memory_gib']} GiB")
+        if len(gpus["devices"]) > 1:
+            from meshcomm.topology import topology
+
+            lines.append("GPU links (meshcomm.topology; NV = NVLink, SYS = across sockets):")
+            lines.extend("  " + line for line in topology().describe().splitlines())
     return "\n".join(lines)
 
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from meshcomm._timeout import Timeout
 from meshcomm.errors import CommError, InvalidArgument
+from meshcomm.topology import gpu_order_arg, mesh_ranks
 
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
@@ -748,13 +749,16 @@ def init_device_mesh(
     *,
     backend: str | None = None,
     timeout: Timeout | None = None,
+    gpu_order: str | None = None,
 ) -> DeviceMesh:
     """Join the world if needed and return a row-major mesh over all of it, groups made.
 
     Ranks are laid out row-major: the last axis holds consecutive ranks, so put the axis
-    with the fastest links last. Each axis gets its group by one split (an axis spanning
-    the whole world reuses the world group). Collective: every rank calls it, and builds
-    its meshes in the same order as the others.
+    with the fastest links last. With ``gpu_order="topology"`` the ranks of each host are
+    first ordered by how their GPUs are linked (:func:`meshcomm.topology.best_order`), so
+    that each group of the last axis sits on the best-linked GPUs. Each axis gets its
+    group by one split (an axis spanning the whole world reuses the world group).
+    Collective: every rank calls it, and builds its meshes in the same order as the others.
 
     Args:
         mesh_shape: the size of each axis; one entry may be ``-1`` (inferred).
@@ -762,6 +766,8 @@ def init_device_mesh(
         backend: the backend for :func:`meshcomm.world.init` if the world is not
             initialized yet (then also ``timeout``); if it is, ``backend`` must match it.
         timeout: seconds or ``timedelta`` for that init.
+        gpu_order: ``"rank"`` (rank order) or ``"topology"`` (see above; one extra
+            all_gather of the world). Default: ``MESHCOMM_GPU_ORDER``, else ``"rank"``.
 
     Returns:
         A :class:`DeviceMesh` whose :meth:`~DeviceMesh.get_all_groups` are made.
@@ -783,6 +789,7 @@ def init_device_mesh(
 
     shape = _check_shape(mesh_shape)
     _check_names(mesh_dim_names, len(shape))  # before joining the world: fail fast
+    order = gpu_order_arg(gpu_order)
     if world.is_initialized():
         group = world.get_world()
         # A world of one runs on "self" whatever backend was asked for.
@@ -794,7 +801,8 @@ def init_device_mesh(
     else:
         group = world.init(backend=backend, timeout=timeout)
     full = _infer_shape(shape, group.size)
-    grid = np.array(group.ranks, dtype=np.int64).reshape(full)
+    ranks = mesh_ranks(group, full[-1]) if order == "topology" else group.ranks
+    grid = np.array(ranks, dtype=np.int64).reshape(full)
     mesh = DeviceMesh(grid, mesh_dim_names, group=group)
     mesh.get_all_groups()
     return mesh
