@@ -223,7 +223,7 @@ def _check(link: Link, where: str, buf: np.ndarray, hosts: Layout) -> None:
     ranks = sorted(r for members in hosts for r in members)
     if ranks != list(range(link.size)):
         raise InvalidArgument(
-            f"rank {link.rank}: {where} hosts must hold every rank of the {link.size} once, "
+            f"rank {link.rank}: {where} hosts must hold each of the {link.size} ranks once, "
             f"got {[list(h) for h in hosts]}"
         )
 
