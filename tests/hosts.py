@@ -7,7 +7,8 @@ with one end of a veth pair (the other end on the bridge) and an address ``10.21
 on a host inside ``unshare --uts --mount --pid``: its own hostname and a private tmpfs on
 ``/dev/shm`` (so the shared-memory host key differs), in a session of its own.
 :meth:`Hosts.run_all` starts several processes in one host's namespaces (ranks that share
-memory). :meth:`Hosts.cut` takes a host's link down (no RST, no FIN: its peers see silence).
+memory). :meth:`Hosts.shape` limits what each host sends with tc tbf (needs ``tc``).
+:meth:`Hosts.cut` takes a host's link down (no RST, no FIN: its peers see silence).
 :meth:`Hosts.close` kills every process started and deletes every namespace, also after a
 failed test. Root only; :func:`available` says why not otherwise.
 """
@@ -122,6 +123,12 @@ class Hosts:
             lines.append(f'env {assigns} {command} & pids="$pids $!"')
         lines.append('rc=0; for p in $pids; do wait "$p" || rc=1; done; exit "$rc"')
         return self.run(host, ["sh", "-c", "\n".join(lines)], env)
+
+    def shape(self, rate: str = "1gbit", burst: str = "512kb", latency: str = "200ms") -> None:
+        """Limit what every host sends to ``rate`` (tc tbf on its eth0), as a NIC would."""
+        for name in self.names:
+            _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                "rate", rate, "burst", burst, "latency", latency)  # fmt: skip
 
     def cut(self, host: int) -> None:
         """Take host ``host``'s link down (its packets go nowhere; no RST, no FIN)."""

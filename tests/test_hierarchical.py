@@ -130,3 +130,27 @@ def test_layout_helpers() -> None:
     assert hier.worth_it(((0, 2), (1,)))
     assert not hier.worth_it(((0,), (1,), (2,)))  # one rank per host: flat is as good
     assert not hier.worth_it(((0, 1, 2),))  # one host: shared memory only
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 16, 200])
+@pytest.mark.parametrize(
+    "placement", [[0, 0, 1, 1], [0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 2, 2]], ids=str
+)
+def test_pipelined_all_reduce_in_many_pieces(
+    placement: list[int], piece_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hosts of equal rank counts pipeline in pieces; tiny pieces give many of them, and
+    # more pieces than elements (empty ones) at the smallest sizes.
+    monkeypatch.setattr(hier, "PIECE_BYTES", piece_bytes)
+    hosts = hier.host_layout(placement)
+    p = len(placement)
+    for n in (1, 5, 13, 1001):
+        for dtype, op, ufunc in CASES[:3]:
+            data = _inputs(p, n, dtype)
+            want = data[0]
+            for d in data[1:]:
+                want = ufunc(want, d).astype(dtype)
+            for oop in (False, True):
+                fn = functools.partial(_all_reduce, data=data, op=op, hosts=hosts, out_of_place=oop)
+                for got in run_threads(p, fn):
+                    assert np.array_equal(got, want), (n, dtype, op, oop)

@@ -54,6 +54,8 @@ from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
 
 __all__ = [
+    "MAX_PIECES",
+    "PIECE_BYTES",
     "Layout",
     "SubLink",
     "all_gather",
@@ -62,6 +64,13 @@ __all__ = [
     "host_layout",
     "worth_it",
 ]
+
+#: Hosts of equal rank counts pipeline their all_reduce in pieces of about this many bytes
+#: per slice (1 MiB: big enough that a piece's per-message costs stay small, small enough
+#: that filling and draining the four-stage pipeline costs little).
+PIECE_BYTES = 1 << 20
+#: ... and in at most this many pieces per slice.
+MAX_PIECES = 64
 
 #: One tuple of communicator ranks per host, hosts ordered by their lowest rank.
 Layout = tuple[tuple[int, ...], ...]
@@ -266,10 +275,112 @@ def all_reduce(
         return
     own = buf if send is None else send
     plan = _Plan(r, hosts, buf.size)
+    if len({len(members) for members in hosts}) == 1:
+        _pipelined_all_reduce(link, plan, own, buf, rop)
+        return
     _local_reduce_scatter(link, plan, own, buf, rop)
     for lo, hi, owners in plan.segments:
         algorithms.all_reduce(_cross(link, owners), buf[lo:hi], rop)
     _local_all_gather(link, plan, buf)
+
+
+def _pieces(count: int, itemsize: int) -> int:
+    """How many pieces a slice of ``count`` elements is pipelined in (see PIECE_BYTES)."""
+    return max(1, min(MAX_PIECES, count * itemsize // PIECE_BYTES))
+
+
+def _pipelined_all_reduce(
+    link: Link, plan: _Plan, own: np.ndarray, buf: np.ndarray, op: ReduceOp
+) -> None:
+    """All-reduce over hosts of equal rank counts, the phases overlapped piece by piece.
+
+    Local rank i of every host owns slice i; each slice is cut into the same number of
+    pieces, and each piece of slice i into one block per host. Step s of the loop posts, in
+    one exchange: the local reduce-scatter of piece s (this host's contributions to every
+    slice's piece s), the cross-host reduce-scatter of piece s - 1 (block g of this rank's
+    piece to the owner of slice i on host g), the cross-host all-gather of piece s - 2 and
+    the local all-gather of piece s - 3. So the link carries piece s - 1 while shared memory
+    carries pieces s and s - 3, and the combines of one step run while nothing waits on them
+    but the next step. Each element is combined on one rank (its slice's owner, then its
+    block's owner) and copied everywhere: every rank ends with the same bytes.
+    """
+    n, i, k, g = len(plan.local), plan.index, len(plan.hosts), plan.host
+    slices = plan.bounds[g]
+    count = slices[1] - slices[0]  # the largest slice (block_bounds puts it first)
+    pieces = _pieces(count, buf.itemsize)
+    # piece_bounds[j][t]: piece t of slice j, as absolute element offsets.
+    piece_bounds = [
+        [slices[j] + b for b in block_bounds(slices[j + 1] - slices[j], pieces)] for j in range(n)
+    ]
+    mine = piece_bounds[i]
+    largest = mine[1] - mine[0] if pieces else 0
+    peers = [((i + d) % n, plan.local[(i + d) % n]) for d in range(1, n)]
+    owners = [(h, members[i]) for h, members in enumerate(plan.hosts) if h != g]
+    block_max = -(-max(piece_bounds[0][1] - piece_bounds[0][0], 1) // k)
+    tmps = scratch(link, buf.dtype, *([largest] * len(peers)), *([block_max] * len(owners)))
+    tmp_local, tmp_cross = tmps[: len(peers)], tmps[len(peers) :]
+
+    def blocks(t: int) -> list[int]:
+        lo, hi = mine[t], mine[t + 1]
+        return [lo + b for b in block_bounds(hi - lo, k)]
+
+    for step in range(pieces + 3):
+        sends: list[tuple[int, np.ndarray]] = []
+        recvs: list[tuple[int, np.ndarray]] = []
+        t = step  # local reduce-scatter
+        if t < pieces:
+            lo, hi = mine[t], mine[t + 1]
+            for (j, peer), tmp in zip(peers, tmp_local, strict=True):
+                a, b = piece_bounds[j][t], piece_bounds[j][t + 1]
+                if b > a:
+                    sends.append((peer, own[a:b]))
+                if hi > lo:
+                    recvs.append((peer, tmp[: hi - lo]))
+        t = step - 1  # cross-host reduce-scatter
+        if 0 <= t < pieces:
+            cuts = blocks(t)
+            m = cuts[g + 1] - cuts[g]
+            for (h, peer), tmp in zip(owners, tmp_cross, strict=True):
+                if cuts[h + 1] > cuts[h]:
+                    sends.append((peer, buf[cuts[h] : cuts[h + 1]]))
+                if m:
+                    recvs.append((peer, tmp[:m]))
+        t = step - 2  # cross-host all-gather
+        if 0 <= t < pieces:
+            cuts = blocks(t)
+            for h, peer in owners:
+                if cuts[g + 1] > cuts[g]:
+                    sends.append((peer, buf[cuts[g] : cuts[g + 1]]))
+                if cuts[h + 1] > cuts[h]:
+                    recvs.append((peer, buf[cuts[h] : cuts[h + 1]]))
+        t = step - 3  # local all-gather
+        if 0 <= t < pieces:
+            lo, hi = mine[t], mine[t + 1]
+            for j, peer in peers:
+                if hi > lo:
+                    sends.append((peer, buf[lo:hi]))
+                a, b = piece_bounds[j][t], piece_bounds[j][t + 1]
+                if b > a:
+                    recvs.append((peer, buf[a:b]))
+        if sends or recvs:
+            link.exchange(sends, recvs)
+        t = step  # fold this host's contributions to piece t of our slice
+        if t < pieces and mine[t + 1] > mine[t]:
+            lo, hi = mine[t], mine[t + 1]
+            first, acc = own[lo:hi], buf[lo:hi]
+            for tmp in tmp_local:
+                combine_into(op, first, tmp[: hi - lo], acc)
+                first = acc
+            if not tmp_local and own is not buf:
+                np.copyto(acc, first)
+        t = step - 1  # fold the other hosts' partials of our block of piece t
+        if 0 <= t < pieces:
+            cuts = blocks(t)
+            lo, hi = cuts[g], cuts[g + 1]
+            if hi > lo:
+                acc = buf[lo:hi]
+                for tmp in tmp_cross:
+                    combine_into(op, acc, tmp[: hi - lo], acc)
 
 
 def broadcast(link: Link, buf: np.ndarray, root: int, hosts: Layout) -> None:

@@ -1,0 +1,166 @@
+"""Host-aware psum across simulated hosts with shaped links: flat vs hierarchical, side by side.
+
+For ``docs/benchmarks.md`` (issue 20, item 2). Hosts are network namespaces
+(``tests/hosts.py``, root only), each host's link limited with tc tbf (1 Gbit/s by default);
+a host's ranks share one set of namespaces, so they use shared memory among themselves.
+For each layout (hosts x ranks per host) and each mode, one job runs float32 psums over the
+whole world at each size and reports, per psum:
+
+* **link bytes**: what host 0's link sent plus received (its veth counters), over the psum
+  size: 3.0x flat and 2.0x hierarchical on 2 hosts x 2 ranks;
+* **time**: the slowest rank's, median of the repeats;
+* **wire time**: the most any host's link sent, at the shaped rate (bytes * 8 / rate),
+  and time / wire time (target <= 1.15).
+
+Modes: ``hier`` (the default: MESHCOMM_HIER_MIN unset) and ``flat`` (``MESHCOMM_HIER_MIN=0``:
+the same algorithms as on one host). The two jobs of a layout run back to back, in
+alternating order across ``--passes``.
+
+Usage (as root)::
+
+    python bench/hierarchy.py                           # 2x2 and 4x2, 8 and 64 MiB
+    python bench/hierarchy.py --layouts 2x2 --sizes 8 --repeat 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PORT = 29533
+SECRET = "bench-hierarchy-" + "3" * 32
+RATES = {"gbit": 1e9, "mbit": 1e6}
+
+
+def _link(way: str) -> int:
+    with open(f"/sys/class/net/eth0/statistics/{way}_bytes") as fh:
+        return int(fh.read())
+
+
+def _rank(sizes_mib: list[int], repeat: int) -> None:
+    """One rank of a job: psums at each size; local rank 0 of each host reads its link."""
+    import meshcomm
+
+    world = meshcomm.init()
+    reader = os.environ["LOCAL_RANK"] == "0"
+    rows = []
+    for mib in sizes_mib:
+        x = np.ones((mib << 20) // 4, np.float32)
+        world.all_reduce(x)  # connections, rings, the layout agreement
+        times, sent, moved = [], [], []
+        for _ in range(repeat):
+            world.barrier()
+            tx, rx = (_link("tx"), _link("rx")) if reader else (0, 0)
+            world.barrier()
+            start = time.perf_counter()
+            out = world.all_reduce(x)
+            took = time.perf_counter() - start
+            world.barrier()
+            dtx, drx = (_link("tx") - tx, _link("rx") - rx) if reader else (0, 0)
+            stats = np.array([took, dtx, dtx + drx if world.rank == 0 else 0], np.float64)
+            stats = world.all_reduce(stats, "max")
+            times.append(float(stats[0]))
+            sent.append(float(stats[1]))
+            moved.append(float(stats[2]))
+        if not np.all(out == world.size):
+            raise SystemExit(f"rank {world.rank}: wrong psum at {mib} MiB")
+        rows.append({"mib": mib, "times": times, "max_sent": sent, "host0_bytes": moved})
+    if world.rank == 0:
+        os.write(1, ("RESULT " + json.dumps(rows) + "\n").encode())
+    meshcomm.shutdown()
+
+
+def _job(n_hosts: int, per_host: int, mode: str, args: argparse.Namespace) -> list[dict]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from hosts import Hosts
+
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        MESHCOMM_SECRET=SECRET,
+        MESHCOMM_TIMEOUT="120",
+        WORLD_SIZE=str(n_hosts * per_host),
+        MASTER_PORT=str(PORT),
+    )
+    env.pop("MESHCOMM_HIER_MIN", None)
+    if mode == "flat":
+        env["MESHCOMM_HIER_MIN"] = "0"
+    argv = [sys.executable, str(Path(__file__).resolve()), "_rank", args.sizes, str(args.repeat)]
+    with Hosts(n_hosts) as hosts:
+        hosts.shape(args.rate)
+        env["MASTER_ADDR"] = hosts.addresses[0]
+        procs = []
+        for h in range(n_hosts):
+            envs = [
+                {"RANK": str(h * per_host + i), "LOCAL_RANK": str(i),
+                 "LOCAL_WORLD_SIZE": str(per_host)}
+                for i in range(per_host)
+            ]  # fmt: skip
+            procs.append(hosts.run_all(h, argv, envs, env))
+        outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            raise SystemExit(f"{mode} {n_hosts}x{per_host} failed:\n{out[-2000:]}\n{err[-3000:]}")
+    for line in outs[0][0].splitlines():
+        if line.startswith("RESULT "):
+            rows: list[dict] = json.loads(line[len("RESULT ") :])
+            return rows
+    raise SystemExit(f"{mode} {n_hosts}x{per_host}: no result\n{outs[0][0][-2000:]}")
+
+
+def _rate(text: str) -> float:
+    for unit, scale in RATES.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    raise SystemExit(f"--rate must end with one of {list(RATES)}, got {text!r}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_rank":
+        _rank([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default="2x2,4x2", help="hosts x ranks per host, ...")
+    parser.add_argument("--sizes", default="8,64", help="psum sizes in MiB, comma separated")
+    parser.add_argument("--repeat", type=int, default=5, help="timed psums per size and job")
+    parser.add_argument("--passes", type=int, default=1, help="flat/hier job pairs per layout")
+    parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host's link")
+    parser.add_argument("--json", help="write the raw figures here")
+    args = parser.parse_args()
+    bits = _rate(args.rate)
+    results: dict[str, Any] = {"rate": args.rate, "layouts": {}}
+    for layout in args.layouts.split(","):
+        n_hosts, per_host = (int(v) for v in layout.split("x"))
+        runs: dict[str, list[list[dict]]] = {"flat": [], "hier": []}
+        for k in range(args.passes):
+            for mode in ("hier", "flat") if k % 2 == 0 else ("flat", "hier"):
+                runs[mode].append(_job(n_hosts, per_host, mode, args))
+        results["layouts"][layout] = runs
+        print(f"\n{layout} ({n_hosts} hosts x {per_host} ranks), links at {args.rate}, "
+              f"medians of {args.repeat * args.passes}")  # fmt: skip
+        print("| MiB | mode | host 0 link bytes / psum | time (ms) | wire (ms) | time / wire |")
+        print("|---|---|---|---|---|---|")
+        for i, mib in enumerate(int(s) for s in args.sizes.split(",")):
+            size = mib << 20
+            for mode in ("flat", "hier"):
+                rows = [run[i] for run in runs[mode]]
+                took = statistics.median(t for r in rows for t in r["times"])
+                moved = statistics.median(b for r in rows for b in r["host0_bytes"])
+                wire = statistics.median(b for r in rows for b in r["max_sent"]) * 8 / bits
+                print(f"| {mib} | {mode} | {moved / size:.2f}x | {took * 1e3:.0f} | "
+                      f"{wire * 1e3:.0f} | {took / wire:.2f} |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
