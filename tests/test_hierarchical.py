@@ -154,3 +154,22 @@ def test_pipelined_all_reduce_in_many_pieces(
                 fn = functools.partial(_all_reduce, data=data, op=op, hosts=hosts, out_of_place=oop)
                 for got in run_threads(p, fn):
                     assert np.array_equal(got, want), (n, dtype, op, oop)
+
+
+def _reduce_scatter(link: MemLink, data: list[np.ndarray], hosts: hier.Layout) -> np.ndarray:
+    out = np.full(data[0].size // link.size, 7, data[0].dtype)
+    hier.reduce_scatter(link, data[link.rank], out, "sum", hosts)
+    return out
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=str)
+def test_reduce_scatter_matches_numpy(placement: list[int]) -> None:
+    hosts = hier.host_layout(placement)
+    p = len(placement)
+    for m in (0, 1, 3, 250):
+        for dtype in (np.float64, np.int32):
+            data = _inputs(p, p * m, dtype)
+            want = np.sum(data, axis=0).astype(dtype)
+            fn = functools.partial(_reduce_scatter, data=data, hosts=hosts)
+            for r, got in enumerate(run_threads(p, fn)):
+                assert np.array_equal(got, want[r * m : (r + 1) * m]), (m, dtype, r)

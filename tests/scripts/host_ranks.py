@@ -3,9 +3,9 @@
 ``conformance``: meshcomm's conformance suite (every collective against numpy) on the
 world. ``check``: psum along each axis of a (hosts, ranks per host) mesh, the host names seen, and
 each peer's channel (shm on the same host, tcp across). ``loop``: psums until one fails,
-then the error. ``hier`` (``hier-mesh``): the host-aware collectives (psum, all_gather,
-broadcast at sizes that take the hierarchy and below, several dtypes and ops) against numpy
-on the world, and the bytes host 0's link carried per 8 MiB psum (over the world; with
+then the error. ``hier`` (``hier-mesh``): the host-aware collectives (psum, reduce_scatter,
+all_gather, broadcast at sizes that take the hierarchy and below, several dtypes and ops)
+against numpy on the world, and the bytes host 0's link carried per 8 MiB psum (over the world; with
 ``hier-mesh``, also over the axis of a (hosts, ranks per host) mesh that stays inside hosts).
 """
 
@@ -67,6 +67,11 @@ def _hier(world: meshcomm.ProcessGroup, with_mesh: bool) -> dict:
             # Small integers: every float sum is exact, whatever the order of combines.
             if not np.array_equal(got, want):
                 failures.append(f"all_reduce {n} {dtype} {op}")
+        whole = (np.arange(size * n) % 13 + rank + 1).astype(np.int64)
+        got = np.asarray(world.reduce_scatter(whole, "sum", tiled=True))
+        want = sum((np.arange(size * n) % 13 + r + 1) for r in range(size))
+        if not np.array_equal(got, want[rank * n : (rank + 1) * n]):
+            failures.append(f"reduce_scatter {n}")
         block = (np.arange(n) + 1000 * rank).astype(np.float64)
         got = np.asarray(world.all_gather(block, tiled=True))
         want = np.concatenate([np.arange(n) + 1000.0 * r for r in range(size)])

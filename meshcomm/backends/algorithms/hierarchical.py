@@ -12,6 +12,8 @@ over the host links when each collective runs in three phases instead of one fla
   hosts among its owners, then all-gather inside every host.
 * ``all_gather``: every rank sends its block once to one rank of each other host, then
   every rank hands what it holds to its host's other ranks.
+* ``reduce_scatter``: inside each host, one rank reduces the host's contributions to each
+  destination's block; it sends that partial to the destination, once per other host.
 
 Hosts are given as a layout: one tuple of communicator ranks per host (see
 :func:`host_layout`); every rank must pass the same layout. Hosts may hold different
@@ -62,13 +64,14 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "host_layout",
+    "reduce_scatter",
     "worth_it",
 ]
 
 #: Hosts of equal rank counts pipeline their all_reduce in pieces of about this many bytes
 #: per slice (1 MiB: big enough that a piece's per-message costs stay small, small enough
 #: that filling and draining the four-stage pipeline costs little).
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 1 << 19
 #: ... and in at most this many pieces per slice.
 MAX_PIECES = 64
 
@@ -470,3 +473,69 @@ def all_gather(link: Link, send: np.ndarray, recv: np.ndarray, hosts: Layout) ->
             recvs += [(q, block(b)) for b in held(j)]
     if sends or recvs:
         link.exchange(sends, recvs)
+
+
+def reduce_scatter(
+    link: Link, send: np.ndarray, recv: np.ndarray, op: ReduceOp | str, hosts: Layout
+) -> None:
+    """Reduce ``send`` (``size * n`` elements) across ranks; rank r gets block r in ``recv``.
+
+    Two exchanges. Inside each host, the block of rank q is reduced by one rank of the host
+    (the one whose local index is q's local index modulo the host's rank count), which
+    receives the host's other ranks' contributions to it; then that rank sends the host's
+    partial of block q to q, once per other host. Each host's link carries ``(k-1)/k`` of
+    its ranks' inputs out for ``k`` hosts, each byte once.
+
+    Raises:
+        InvalidArgument: bad buffers, sizes, op or layout (before any I/O).
+        TypeError: the dtypes differ, or ``op`` is not defined for the dtype.
+        CommTimeout, PeerError: from the link.
+    """
+    r, p = link.rank, link.size
+    algorithms._check_array(r, "reduce_scatter", "send", send, writable=False)
+    _check(link, "reduce_scatter", recv, hosts)
+    algorithms._check_same_dtype(r, "reduce_scatter", send, recv)
+    if send.size != p * recv.size:
+        raise InvalidArgument(
+            f"rank {r}: reduce_scatter send must hold size * len(recv) = {p} * {recv.size} = "
+            f"{p * recv.size} elements, got {send.size}"
+        )
+    rop = algorithms._check_op(r, "reduce_scatter", op, send.dtype)
+    m = recv.size
+    if m == 0:
+        return
+    send = algorithms._detach(send, recv)
+    host_of = {q: (h, members.index(q)) for h, members in enumerate(hosts) for q in members}
+    g = host_of[r][0]
+    local = hosts[g]
+
+    def owner(h: int, q: int) -> int:
+        return hosts[h][host_of[q][1] % len(hosts[h])]
+
+    owned = {j: [q for q in range(p) if owner(g, q) == j] for j in local}
+    mine = owned[r]
+    peers = [j for j in local if j != r]
+    others = [h for h in range(len(hosts)) if h != g]
+    tmps = scratch(link, recv.dtype, *([m] * (len(peers) * len(mine) + len(others))))
+    got = {(j, q): tmps[a * len(mine) + b] for a, j in enumerate(peers) for b, q in enumerate(mine)}
+    sends = [(j, send[q * m : (q + 1) * m]) for j in peers for q in owned[j]]
+    recvs = [(j, got[j, q]) for j in peers for q in mine]
+    if sends or recvs:
+        link.exchange(sends, recvs)
+    # This host's partial of every block we own; ours goes straight into recv.
+    partial = {}
+    for q in mine:
+        acc = recv if q == r else np.empty(m, recv.dtype)
+        first = send[q * m : (q + 1) * m]
+        for j in peers:
+            combine_into(rop, first, got[j, q], acc)
+            first = acc
+        if not peers:
+            np.copyto(acc, first)
+        partial[q] = acc
+    incoming = tmps[len(peers) * len(mine) :]
+    sends = [(q, partial[q]) for q in mine if q != r]
+    recvs = [(owner(h, r), t) for h, t in zip(others, incoming, strict=True)]
+    link.exchange(sends, recvs)
+    for t in incoming:
+        combine_into(rop, recv, t, recv)

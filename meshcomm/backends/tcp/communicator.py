@@ -278,7 +278,9 @@ class TcpCommunicator(Communicator):
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
         self._check("reduce_scatter")
-        if not self._direct.reduce_scatter(send, recv, op):
+        if (hosts := self._layout(send, recv, _nbytes(send), op)) is not None:
+            hierarchical.reduce_scatter(self.link, send, recv, op, hosts)
+        elif not self._direct.reduce_scatter(send, recv, op):
             algorithms.reduce_scatter(self.link, send, recv, op)
 
     def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
