@@ -7,19 +7,24 @@ For each layout (hosts x ranks per host) and each mode, one job runs float32 psu
 whole world at each size and reports, per psum:
 
 * **link bytes**: what host 0's link sent plus received (its veth counters), over the psum
-  size: 3.0x flat and 2.0x hierarchical on 2 hosts x 2 ranks;
+  size: 3.0x flat and 2.0x hierarchical on 2 hosts x 2 ranks (3.5x and 3.0x on 4 x 2:
+  any all-reduce over k hosts sends at least 2 (k-1)/k of the buffer out of each host);
+* **most sent**: the most any host's link sent, over the psum size;
 * **time**: the slowest rank's, median of the repeats;
-* **wire time**: the most any host's link sent, at the shaped rate (bytes * 8 / rate),
+* **wire time**: that most sent, at the shaped rate (bytes * 8 / rate),
   and time / wire time (target <= 1.15).
 
 Modes: ``hier`` (the default: MESHCOMM_HIER_MIN unset) and ``flat`` (``MESHCOMM_HIER_MIN=0``:
-the same algorithms as on one host). The two jobs of a layout run back to back, in
-alternating order across ``--passes``.
+the same algorithms as on one host); with ``--piece-kib 128,512``, ``hier/128`` and
+``hier/512`` instead of ``hier`` (the pipeline's piece size set in each rank, to tune
+``PIECE_BYTES``). The jobs of a layout run back to back, in alternating order across
+``--passes``.
 
 Usage (as root)::
 
     python bench/hierarchy.py                           # 2x2 and 4x2, 8 and 64 MiB
     python bench/hierarchy.py --layouts 2x2 --sizes 8 --repeat 5 --json out.json
+    python bench/hierarchy.py --piece-kib 128,512,1024 --passes 2   # tune PIECE_BYTES
 """
 
 from __future__ import annotations
@@ -46,10 +51,13 @@ def _link(way: str) -> int:
         return int(fh.read())
 
 
-def _rank(sizes_mib: list[int], repeat: int) -> None:
+def _rank(sizes_mib: list[int], repeat: int, piece_kib: int) -> None:
     """One rank of a job: psums at each size; local rank 0 of each host reads its link."""
     import meshcomm
+    from meshcomm.backends.algorithms import hierarchical
 
+    if piece_kib:  # a tuning run: the pipeline's piece size (read at every call)
+        hierarchical.PIECE_BYTES = piece_kib << 10
     world = meshcomm.init()
     reader = os.environ["LOCAL_RANK"] == "0"
     rows = []
@@ -94,7 +102,9 @@ def _job(n_hosts: int, per_host: int, mode: str, args: argparse.Namespace) -> li
     env.pop("MESHCOMM_HIER_MIN", None)
     if mode == "flat":
         env["MESHCOMM_HIER_MIN"] = "0"
-    argv = [sys.executable, str(Path(__file__).resolve()), "_rank", args.sizes, str(args.repeat)]
+    piece = mode.partition("/")[2] or "0"
+    script = str(Path(__file__).resolve())
+    argv = [sys.executable, script, "_rank", args.sizes, str(args.repeat), piece]
     with Hosts(n_hosts) as hosts:
         hosts.shape(args.rate)
         env["MASTER_ADDR"] = hosts.addresses[0]
@@ -126,7 +136,7 @@ def _rate(text: str) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        _rank([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]))
+        _rank([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="2x2,4x2", help="hosts x ranks per host, ...")
@@ -134,30 +144,40 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed psums per size and job")
     parser.add_argument("--passes", type=int, default=1, help="flat/hier job pairs per layout")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host's link")
+    parser.add_argument(
+        "--piece-kib",
+        default="",
+        help="tuning: one hierarchical mode per pipeline piece size (KiB, comma separated) "
+        "instead of the library's PIECE_BYTES",
+    )
     parser.add_argument("--json", help="write the raw figures here")
     args = parser.parse_args()
     bits = _rate(args.rate)
+    pieces = [f"hier/{int(kib)}" for kib in args.piece_kib.split(",") if kib]
+    modes = ["flat", *(pieces or ["hier"])]
     results: dict[str, Any] = {"rate": args.rate, "layouts": {}}
     for layout in args.layouts.split(","):
         n_hosts, per_host = (int(v) for v in layout.split("x"))
-        runs: dict[str, list[list[dict]]] = {"flat": [], "hier": []}
+        runs: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
         for k in range(args.passes):
-            for mode in ("hier", "flat") if k % 2 == 0 else ("flat", "hier"):
+            for mode in modes[::-1] if k % 2 == 0 else modes:
                 runs[mode].append(_job(n_hosts, per_host, mode, args))
         results["layouts"][layout] = runs
         print(f"\n{layout} ({n_hosts} hosts x {per_host} ranks), links at {args.rate}, "
               f"medians of {args.repeat * args.passes}")  # fmt: skip
-        print("| MiB | mode | host 0 link bytes / psum | time (ms) | wire (ms) | time / wire |")
-        print("|---|---|---|---|---|---|")
+        print("| MiB | mode | host 0 link bytes / psum | most a host sent / psum | time (ms) "
+              "| wire (ms) | time / wire |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         for i, mib in enumerate(int(s) for s in args.sizes.split(",")):
             size = mib << 20
-            for mode in ("flat", "hier"):
+            for mode in modes:
                 rows = [run[i] for run in runs[mode]]
                 took = statistics.median(t for r in rows for t in r["times"])
                 moved = statistics.median(b for r in rows for b in r["host0_bytes"])
-                wire = statistics.median(b for r in rows for b in r["max_sent"]) * 8 / bits
-                print(f"| {mib} | {mode} | {moved / size:.2f}x | {took * 1e3:.0f} | "
-                      f"{wire * 1e3:.0f} | {took / wire:.2f} |")  # fmt: skip
+                sent = statistics.median(b for r in rows for b in r["max_sent"])
+                wire = sent * 8 / bits
+                print(f"| {mib} | {mode} | {moved / size:.2f}x | {sent / size:.2f}x | "
+                      f"{took * 1e3:.0f} | {wire * 1e3:.0f} | {took / wire:.2f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 

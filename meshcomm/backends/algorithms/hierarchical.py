@@ -69,9 +69,12 @@ __all__ = [
 ]
 
 #: Hosts of equal rank counts pipeline their all_reduce in pieces of about this many bytes
-#: per slice (1 MiB: big enough that a piece's per-message costs stay small, small enough
-#: that filling and draining the four-stage pipeline costs little).
-PIECE_BYTES = 1 << 19
+#: per slice (128 KiB: big enough that a piece's per-message costs stay small, small enough
+#: that filling and draining the four-stage pipeline costs little). Measured with
+#: ``bench/hierarchy.py --piece-kib`` on 1 Gbit/s links: 32 KiB to 1 MiB within noise on
+#: 2 hosts x 2 ranks; on 4 x 2 at 64 MiB, 128 KiB 865 ms against 886-903 ms (512 KiB,
+#: 1 MiB) and 894 ms (32 KiB); see docs/benchmarks.md.
+PIECE_BYTES = 1 << 17
 #: ... and in at most this many pieces per slice.
 MAX_PIECES = 64
 
