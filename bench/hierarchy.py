@@ -155,7 +155,7 @@ def main() -> None:
     bits = _rate(args.rate)
     pieces = [f"hier/{int(kib)}" for kib in args.piece_kib.split(",") if kib]
     modes = ["flat", *(pieces or ["hier"])]
-    results: dict[str, Any] = {"rate": args.rate, "layouts": {}}
+    results: dict[str, Any] = {"rate": args.rate, "layouts": {}, "load": {}}
     for layout in args.layouts.split(","):
         n_hosts, per_host = (int(v) for v in layout.split("x"))
         runs: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
@@ -163,8 +163,11 @@ def main() -> None:
             for mode in modes[::-1] if k % 2 == 0 else modes:
                 runs[mode].append(_job(n_hosts, per_host, mode, args))
         results["layouts"][layout] = runs
+        load = os.getloadavg()[0]  # the machine's cores are the hosts' cores: say how busy
+        results["load"][layout] = load
         print(f"\n{layout} ({n_hosts} hosts x {per_host} ranks), links at {args.rate}, "
-              f"medians of {args.repeat * args.passes}")  # fmt: skip
+              f"medians of {args.repeat * args.passes}, load average {load:.1f} "
+              f"on {os.cpu_count()} cores")  # fmt: skip
         print("| MiB | mode | host 0 link bytes / psum | most a host sent / psum | time (ms) "
               "| wire (ms) | time / wire |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
