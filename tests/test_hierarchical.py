@@ -66,12 +66,12 @@ def _all_gather(link: MemLink, data: list[np.ndarray], hosts: hier.Layout) -> np
     return out
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS, ids=str)
-def test_all_reduce_matches_numpy(placement: list[int]) -> None:
+def _check_all_reduce(placement: list[int], sizes: list[int], cases: list[tuple]) -> None:
+    """In and out of place, every size and (dtype, op, ufunc) case, against numpy."""
     hosts = hier.host_layout(placement)
     p = len(placement)
-    for n in SIZES:
-        for dtype, op, ufunc in CASES:
+    for n in sizes:
+        for dtype, op, ufunc in cases:
             data = _inputs(p, n, dtype)
             want = data[0]
             for d in data[1:]:
@@ -80,6 +80,11 @@ def test_all_reduce_matches_numpy(placement: list[int]) -> None:
                 fn = functools.partial(_all_reduce, data=data, op=op, hosts=hosts, out_of_place=oop)
                 for got in run_threads(p, fn):
                     assert got.dtype == dtype and np.array_equal(got, want), (n, dtype, op, oop)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=str)
+def test_all_reduce_matches_numpy(placement: list[int]) -> None:
+    _check_all_reduce(placement, SIZES, CASES)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=str)
@@ -120,6 +125,12 @@ def test_bad_arguments_raise_before_any_message() -> None:
             hier.all_reduce(link, np.ones(4), "bxor", ((0,), (1,)))  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument, match="root"):
             hier.broadcast(link, np.ones(4), 5, ((0,), (1,)))  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=r"recv must hold size \* len\(send\) = 2 \* 3"):
+            hier.all_gather(link, np.ones(3), np.ones(5), ((0,), (1,)))  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=r"send must hold size \* len\(recv\) = 2 \* 2"):
+            hier.reduce_scatter(link, np.ones(3), np.ones(2), "sum", ((0,), (1,)))  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=r"hosts must hold each of the 2 ranks once"):
+            hier.all_gather(link, np.ones(1), np.ones(2), ((0, 1, 2),))  # type: ignore[arg-type]
         return "ok"
 
     assert run_threads(2, bad_layout, timeout=5)[0] == "ok"
@@ -142,18 +153,7 @@ def test_pipelined_all_reduce_in_many_pieces(
     # Hosts of equal rank counts pipeline in pieces; tiny pieces give many of them, and
     # more pieces than elements (empty ones) at the smallest sizes.
     monkeypatch.setattr(hier, "PIECE_BYTES", piece_bytes)
-    hosts = hier.host_layout(placement)
-    p = len(placement)
-    for n in (1, 5, 13, 1001):
-        for dtype, op, ufunc in CASES[:3]:
-            data = _inputs(p, n, dtype)
-            want = data[0]
-            for d in data[1:]:
-                want = ufunc(want, d).astype(dtype)
-            for oop in (False, True):
-                fn = functools.partial(_all_reduce, data=data, op=op, hosts=hosts, out_of_place=oop)
-                for got in run_threads(p, fn):
-                    assert np.array_equal(got, want), (n, dtype, op, oop)
+    _check_all_reduce(placement, [1, 5, 13, 1001], CASES[:3])
 
 
 def _reduce_scatter(link: MemLink, data: list[np.ndarray], hosts: hier.Layout) -> np.ndarray:

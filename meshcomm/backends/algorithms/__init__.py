@@ -279,6 +279,33 @@ def _check_root(rank: int, where: str, root: object, size: int) -> int:
     return value
 
 
+def _check_all_gather(rank: int, size: int, send: object, recv: object) -> None:
+    """The checks of every all_gather (flat or host-aware), before any I/O."""
+    send = _check_array(rank, "all_gather", "send", send, writable=False)
+    recv = _check_array(rank, "all_gather", "recv", recv, writable=True)
+    _check_same_dtype(rank, "all_gather", send, recv)
+    if recv.size != size * send.size:
+        raise InvalidArgument(
+            f"rank {rank}: all_gather recv must hold size * len(send) = {size} * {send.size} = "
+            f"{size * send.size} elements, got {recv.size}"
+        )
+
+
+def _check_reduce_scatter(
+    rank: int, size: int, send: object, recv: object, op: ReduceOp | str
+) -> ReduceOp:
+    """The checks of every reduce_scatter (flat or host-aware), before any I/O; the op."""
+    send = _check_array(rank, "reduce_scatter", "send", send, writable=False)
+    recv = _check_array(rank, "reduce_scatter", "recv", recv, writable=True)
+    _check_same_dtype(rank, "reduce_scatter", send, recv)
+    if send.size != size * recv.size:
+        raise InvalidArgument(
+            f"rank {rank}: reduce_scatter send must hold size * len(recv) = {size} * "
+            f"{recv.size} = {size * recv.size} elements, got {send.size}"
+        )
+    return _check_op(rank, "reduce_scatter", op, send.dtype)
+
+
 def _chunk_elems(rank: int, chunk_bytes: int | None, itemsize: int) -> int:
     if chunk_bytes is None and itemsize:
         return max(1, CHUNK_BYTES // itemsize)
@@ -398,14 +425,7 @@ def all_gather(
         [0, 0, 1, -1, 2, -2]
     """
     r, p = link.rank, link.size
-    _check_array(r, "all_gather", "send", send, writable=False)
-    _check_array(r, "all_gather", "recv", recv, writable=True)
-    _check_same_dtype(r, "all_gather", send, recv)
-    if recv.size != p * send.size:
-        raise InvalidArgument(
-            f"rank {r}: all_gather recv must hold size * len(send) = {p} * {send.size} = "
-            f"{p * send.size} elements, got {recv.size}"
-        )
+    _check_all_gather(r, p, send, recv)
     name = _choose("all_gather", recv.nbytes, p, algorithm)
     if send.size == 0:
         return
@@ -457,15 +477,7 @@ def reduce_scatter(
         [0, 3, 6]
     """
     r, p = link.rank, link.size
-    _check_array(r, "reduce_scatter", "send", send, writable=False)
-    _check_array(r, "reduce_scatter", "recv", recv, writable=True)
-    _check_same_dtype(r, "reduce_scatter", send, recv)
-    if send.size != p * recv.size:
-        raise InvalidArgument(
-            f"rank {r}: reduce_scatter send must hold size * len(recv) = {p} * {recv.size} = "
-            f"{p * recv.size} elements, got {send.size}"
-        )
-    rop = _check_op(r, "reduce_scatter", op, send.dtype)
+    rop = _check_reduce_scatter(r, p, send, recv, op)
     name = _choose("reduce_scatter", send.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, send.itemsize)
     if recv.size == 0:

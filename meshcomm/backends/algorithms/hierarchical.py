@@ -235,6 +235,10 @@ def _cross(link: Link, owners: tuple[int, ...]) -> SubLink:
 
 def _check(link: Link, where: str, buf: np.ndarray, hosts: Layout) -> None:
     algorithms._check_array(link.rank, where, "buf", buf, writable=True)
+    _check_layout(link, where, hosts)
+
+
+def _check_layout(link: Link, where: str, hosts: Layout) -> None:
     ranks = sorted(r for members in hosts for r in members)
     if ranks != list(range(link.size)):
         raise InvalidArgument(
@@ -433,14 +437,8 @@ def all_gather(link: Link, send: np.ndarray, recv: np.ndarray, hosts: Layout) ->
         CommTimeout, PeerError: from the link.
     """
     r, p = link.rank, link.size
-    algorithms._check_array(r, "all_gather", "send", send, writable=False)
-    _check(link, "all_gather", recv, hosts)
-    algorithms._check_same_dtype(r, "all_gather", send, recv)
-    if recv.size != p * send.size:
-        raise InvalidArgument(
-            f"rank {r}: all_gather recv must hold size * len(send) = {p} * {send.size} = "
-            f"{p * send.size} elements, got {recv.size}"
-        )
+    algorithms._check_all_gather(r, p, send, recv)
+    _check_layout(link, "all_gather", hosts)
     n = send.size
     if n == 0:
         return
@@ -495,15 +493,8 @@ def reduce_scatter(
         CommTimeout, PeerError: from the link.
     """
     r, p = link.rank, link.size
-    algorithms._check_array(r, "reduce_scatter", "send", send, writable=False)
-    _check(link, "reduce_scatter", recv, hosts)
-    algorithms._check_same_dtype(r, "reduce_scatter", send, recv)
-    if send.size != p * recv.size:
-        raise InvalidArgument(
-            f"rank {r}: reduce_scatter send must hold size * len(recv) = {p} * {recv.size} = "
-            f"{p * recv.size} elements, got {send.size}"
-        )
-    rop = algorithms._check_op(r, "reduce_scatter", op, send.dtype)
+    rop = algorithms._check_reduce_scatter(r, p, send, recv, op)
+    _check_layout(link, "reduce_scatter", hosts)
     m = recv.size
     if m == 0:
         return

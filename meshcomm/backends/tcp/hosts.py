@@ -20,14 +20,13 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from meshcomm.backends.algorithms.hierarchical import Layout, host_layout, worth_it
 from meshcomm.backends.tcp.shm import host_key
-from meshcomm.errors import InvalidArgument
+from meshcomm.backends.tcp.thresholds import size_threshold
 
 if TYPE_CHECKING:
     from meshcomm.backends.tcp.link import TcpLink
@@ -40,30 +39,18 @@ __all__ = ["HIER_MIN_BYTES", "HostView", "hier_min"]
 HIER_MIN_BYTES = 256 << 10
 
 
-def _env_min() -> int | None:
-    raw = os.environ.get("MESHCOMM_HIER_MIN", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidArgument(
-            f"MESHCOMM_HIER_MIN must be an integer number of bytes, got {raw!r}"
-        ) from None
-    return value if value > 0 else -1
-
-
-_ENV_MIN = _env_min()
+# Read once: every rank must choose the same path for the same call.
+_MIN = size_threshold("MESHCOMM_HIER_MIN", HIER_MIN_BYTES)
 
 
 def hier_min() -> int:
     """The smallest size (bytes) that runs hierarchically; -1: never.
 
     Example:
-        >>> hier_min() == (HIER_MIN_BYTES if "MESHCOMM_HIER_MIN" not in os.environ else hier_min())
+        >>> hier_min() != 0  # a size, or -1 for never
         True
     """
-    return HIER_MIN_BYTES if _ENV_MIN is None else _ENV_MIN
+    return _MIN
 
 
 def _digest() -> int:
