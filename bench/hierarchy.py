@@ -11,6 +11,8 @@ whole world at each size and reports, per psum:
   any all-reduce over k hosts sends at least 2 (k-1)/k of the buffer out of each host);
 * **most sent**: the most any host's link sent, over the psum size;
 * **time**: the slowest rank's, median of the repeats;
+* **CPU**: the processes' CPU time during the psum, summed over the ranks (the kernel's
+  work for the veths, bridge and tbf is not in it);
 * **wire time**: that most sent, at the shaped rate (bytes * 8 / rate),
   and time / wire time (target <= 1.15).
 
@@ -64,14 +66,18 @@ def _rank(sizes_mib: list[int], repeat: int, piece_kib: int) -> None:
     for mib in sizes_mib:
         x = np.ones((mib << 20) // 4, np.float32)
         world.all_reduce(x)  # connections, rings, the layout agreement
-        times, sent, moved = [], [], []
+        times, sent, moved, cpu = [], [], [], []
+        out = None
         for _ in range(repeat):
+            # The last result goes back to the group's pool before the next call, as in a
+            # steady loop: otherwise the second call pays the page faults of a new result.
+            del out
             world.barrier()
             tx, rx = (_link("tx"), _link("rx")) if reader else (0, 0)
             world.barrier()
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             out = world.all_reduce(x)
-            took = time.perf_counter() - start
+            took, used = time.perf_counter() - start, time.process_time() - used
             world.barrier()
             dtx, drx = (_link("tx") - tx, _link("rx") - rx) if reader else (0, 0)
             stats = np.array([took, dtx, dtx + drx if world.rank == 0 else 0], np.float64)
@@ -79,9 +85,12 @@ def _rank(sizes_mib: list[int], repeat: int, piece_kib: int) -> None:
             times.append(float(stats[0]))
             sent.append(float(stats[1]))
             moved.append(float(stats[2]))
+            cpu.append(float(world.all_reduce(np.array([used]), "sum")[0]))
         if not np.all(out == world.size):
             raise SystemExit(f"rank {world.rank}: wrong psum at {mib} MiB")
-        rows.append({"mib": mib, "times": times, "max_sent": sent, "host0_bytes": moved})
+        rows.append(
+            {"mib": mib, "times": times, "max_sent": sent, "host0_bytes": moved, "cpu": cpu}
+        )
     if world.rank == 0:
         os.write(1, ("RESULT " + json.dumps(rows) + "\n").encode())
     meshcomm.shutdown()
@@ -169,18 +178,20 @@ def main() -> None:
               f"medians of {args.repeat * args.passes}, load average {load:.1f} "
               f"on {os.cpu_count()} cores")  # fmt: skip
         print("| MiB | mode | host 0 link bytes / psum | most a host sent / psum | time (ms) "
-              "| wire (ms) | time / wire |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+              "| wire (ms) | time / wire | CPU (ms, all ranks) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
         for i, mib in enumerate(int(s) for s in args.sizes.split(",")):
             size = mib << 20
             for mode in modes:
                 rows = [run[i] for run in runs[mode]]
                 took = statistics.median(t for r in rows for t in r["times"])
+                used = statistics.median(t for r in rows for t in r["cpu"])
                 moved = statistics.median(b for r in rows for b in r["host0_bytes"])
                 sent = statistics.median(b for r in rows for b in r["max_sent"])
                 wire = sent * 8 / bits
                 print(f"| {mib} | {mode} | {moved / size:.2f}x | {sent / size:.2f}x | "
-                      f"{took * 1e3:.0f} | {wire * 1e3:.0f} | {took / wire:.2f} |")  # fmt: skip
+                      f"{took * 1e3:.0f} | {wire * 1e3:.0f} | {took / wire:.2f} | "
+                      f"{used * 1e3:.0f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
