@@ -168,15 +168,18 @@ def main() -> None:
     for layout in args.layouts.split(","):
         n_hosts, per_host = (int(v) for v in layout.split("x"))
         runs: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
+        # The machine's cores are all the hosts' cores: say how busy it was (the 1-minute
+        # load average before and after; the job's own ranks count in the second).
+        load = [os.getloadavg()[0]]
         for k in range(args.passes):
             for mode in modes[::-1] if k % 2 == 0 else modes:
                 runs[mode].append(_job(n_hosts, per_host, mode, args))
+        load.append(os.getloadavg()[0])
         results["layouts"][layout] = runs
-        load = os.getloadavg()[0]  # the machine's cores are the hosts' cores: say how busy
         results["load"][layout] = load
         print(f"\n{layout} ({n_hosts} hosts x {per_host} ranks), links at {args.rate}, "
-              f"medians of {args.repeat * args.passes}, load average {load:.1f} "
-              f"on {os.cpu_count()} cores")  # fmt: skip
+              f"medians of {args.repeat * args.passes}, load average {load[0]:.1f} before, "
+              f"{load[1]:.1f} after, {os.cpu_count()} cores")  # fmt: skip
         print("| MiB | mode | host 0 link bytes / psum | most a host sent / psum | time (ms) "
               "| wire (ms) | time / wire | CPU (ms, all ranks) |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|")
