@@ -279,31 +279,22 @@ def _check_root(rank: int, where: str, root: object, size: int) -> int:
     return value
 
 
-def _check_all_gather(rank: int, size: int, send: object, recv: object) -> None:
-    """The checks of every all_gather (flat or host-aware), before any I/O."""
-    send = _check_array(rank, "all_gather", "send", send, writable=False)
-    recv = _check_array(rank, "all_gather", "recv", recv, writable=True)
-    _check_same_dtype(rank, "all_gather", send, recv)
-    if recv.size != size * send.size:
+def _check_blocks(
+    rank: int, where: str, send: object, recv: object, size: int, *, whole: str
+) -> None:
+    """The checks of an all_gather (``whole="recv"``) or reduce_scatter (``whole="send"``),
+    flat or host-aware, before any I/O: two flat arrays of one dtype, ``whole`` holding
+    ``size`` times the other's elements."""
+    send = _check_array(rank, where, "send", send, writable=False)
+    recv = _check_array(rank, where, "recv", recv, writable=True)
+    _check_same_dtype(rank, where, send, recv)
+    big, part = (recv, send) if whole == "recv" else (send, recv)
+    if big.size != size * part.size:
+        other = "send" if whole == "recv" else "recv"
         raise InvalidArgument(
-            f"rank {rank}: all_gather recv must hold size * len(send) = {size} * {send.size} = "
-            f"{size * send.size} elements, got {recv.size}"
+            f"rank {rank}: {where} {whole} must hold size * len({other}) = {size} * "
+            f"{part.size} = {size * part.size} elements, got {big.size}"
         )
-
-
-def _check_reduce_scatter(
-    rank: int, size: int, send: object, recv: object, op: ReduceOp | str
-) -> ReduceOp:
-    """The checks of every reduce_scatter (flat or host-aware), before any I/O; the op."""
-    send = _check_array(rank, "reduce_scatter", "send", send, writable=False)
-    recv = _check_array(rank, "reduce_scatter", "recv", recv, writable=True)
-    _check_same_dtype(rank, "reduce_scatter", send, recv)
-    if send.size != size * recv.size:
-        raise InvalidArgument(
-            f"rank {rank}: reduce_scatter send must hold size * len(recv) = {size} * "
-            f"{recv.size} = {size * recv.size} elements, got {send.size}"
-        )
-    return _check_op(rank, "reduce_scatter", op, send.dtype)
 
 
 def _chunk_elems(rank: int, chunk_bytes: int | None, itemsize: int) -> int:
@@ -425,7 +416,7 @@ def all_gather(
         [0, 0, 1, -1, 2, -2]
     """
     r, p = link.rank, link.size
-    _check_all_gather(r, p, send, recv)
+    _check_blocks(r, "all_gather", send, recv, p, whole="recv")
     name = _choose("all_gather", recv.nbytes, p, algorithm)
     if send.size == 0:
         return
@@ -477,7 +468,8 @@ def reduce_scatter(
         [0, 3, 6]
     """
     r, p = link.rank, link.size
-    rop = _check_reduce_scatter(r, p, send, recv, op)
+    _check_blocks(r, "reduce_scatter", send, recv, p, whole="send")
+    rop = _check_op(r, "reduce_scatter", op, send.dtype)
     name = _choose("reduce_scatter", send.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, send.itemsize)
     if recv.size == 0:

@@ -437,7 +437,7 @@ def all_gather(link: Link, send: np.ndarray, recv: np.ndarray, hosts: Layout) ->
         CommTimeout, PeerError: from the link.
     """
     r, p = link.rank, link.size
-    algorithms._check_all_gather(r, p, send, recv)
+    algorithms._check_blocks(r, "all_gather", send, recv, p, whole="recv")
     _check_layout(link, "all_gather", hosts)
     n = send.size
     if n == 0:
@@ -493,7 +493,8 @@ def reduce_scatter(
         CommTimeout, PeerError: from the link.
     """
     r, p = link.rank, link.size
-    rop = algorithms._check_reduce_scatter(r, p, send, recv, op)
+    algorithms._check_blocks(r, "reduce_scatter", send, recv, p, whole="send")
+    rop = algorithms._check_op(r, "reduce_scatter", op, send.dtype)
     _check_layout(link, "reduce_scatter", hosts)
     m = recv.size
     if m == 0:
