@@ -1,6 +1,7 @@
 """Host-aware collectives across simulated hosts (tests/hosts.py): results against numpy at
-sizes that take the hierarchy, and the bytes each psum moves over host 0's link (its veth
-counters), on 2 hosts x 2 ranks and on 3 hosts of 2 + 1 + 1 ranks."""
+sizes that take the hierarchy, and the bytes a psum (and, on 2 x 2, an all_gather and a
+reduce_scatter) moves over host 0's link (its veth counters), on 2 hosts x 2 ranks and on 3
+hosts of 2 + 1 + 1 ranks."""
 
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def test_two_hosts_of_two_ranks_run_hierarchically() -> None:
     # A flat ring crosses the link with 3.0x the psum; the hierarchy with 2.0x (each host
     # sends and receives the buffer once), plus headers and acknowledgements.
     assert 1.9 < rows[0]["world_bytes"] <= 2.2, rows[0]
+    # all_gather (of the 8 MiB result) and reduce_scatter (of the 8 MiB input): each host
+    # sends the other host's half once and receives its own once: 1.0x (flat rings: 1.5x).
+    assert rows[0]["gather_bytes"] <= 1.1, rows[0]
+    assert rows[0]["scatter_bytes"] <= 1.1, rows[0]
     # The mesh axis inside each host never touches the link (a barrier's few bytes aside).
     assert rows[0]["local_bytes"] < 0.01, rows[0]
 

@@ -5,8 +5,9 @@ world. ``check``: psum along each axis of a (hosts, ranks per host) mesh, the ho
 each peer's channel (shm on the same host, tcp across). ``loop``: psums until one fails,
 then the error. ``hier`` (``hier-mesh``): the host-aware collectives (psum, reduce_scatter,
 all_gather, broadcast at sizes that take the hierarchy and below, several dtypes and ops)
-against numpy on the world, and the bytes host 0's link carried per 8 MiB psum (over the world; with
-``hier-mesh``, also over the axis of a (hosts, ranks per host) mesh that stays inside hosts).
+against numpy on the world, and the bytes host 0's link carried per 8 MiB psum, all_gather
+result and reduce_scatter input (over the world; with ``hier-mesh``, the psum also over the
+axis of a (hosts, ranks per host) mesh that stays inside hosts).
 """
 
 import json
@@ -37,15 +38,21 @@ def _link_bytes() -> int:
     return total
 
 
-def _bytes_per_psum(group: object, psum: object, size: int, reps: int = 2) -> float:
+def _bytes_per_psum(world: object, psum: object, size: int, reps: int = 2) -> float:
+    """Host link bytes per call of ``psum`` on ``size`` bytes, over ``size``. World barriers
+    around each read of the counters: no rank's other traffic (the warm-up, the next
+    measurement) crosses the link between two reads."""
     x = np.ones(size // 4, np.float32)
     psum(x)  # connections, the layout agreement
-    group.barrier()
+    world.barrier()
     before = _link_bytes()
+    world.barrier()
     for _ in range(reps):
         psum(x)
-    group.barrier()
-    return (_link_bytes() - before) / (reps * size)
+    world.barrier()
+    moved = _link_bytes() - before
+    world.barrier()
+    return moved / (reps * size)
 
 
 def _hier(world: meshcomm.ProcessGroup, with_mesh: bool) -> dict:
@@ -84,12 +91,19 @@ def _hier(world: meshcomm.ProcessGroup, with_mesh: bool) -> dict:
                 failures.append(f"broadcast {n} root {root}")
     out: dict = {"rank": rank, "failures": failures}
     out["world_bytes"] = _bytes_per_psum(world, world.all_reduce, 8 << 20)
+    # The same count for an all_gather of an 8 MiB result and a reduce_scatter of an 8 MiB
+    # input (each rank's block is a quarter of the buffer on 4 ranks).
+    out["gather_bytes"] = _bytes_per_psum(
+        world, lambda x: world.all_gather(x[: x.size // size], tiled=True), 8 << 20
+    )
+    out["scatter_bytes"] = _bytes_per_psum(
+        world, lambda x: world.reduce_scatter(x, "sum", tiled=True), 8 << 20
+    )
     if with_mesh:  # every host holds LOCAL_WORLD_SIZE ranks
         n_local = int(os.environ["LOCAL_WORLD_SIZE"])
         mesh = meshcomm.init_device_mesh((size // n_local, n_local), ("host", "local"))
-        local = mesh.get_group("local")
         out["local_bytes"] = _bytes_per_psum(
-            local, lambda x: ops.psum(x, "local", mesh=mesh), 8 << 20
+            world, lambda x: ops.psum(x, "local", mesh=mesh), 8 << 20
         )
     return out
 
