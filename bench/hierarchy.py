@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="2x2,4x2", help="hosts x ranks per host, ...")
     parser.add_argument("--sizes", default="8,64", help="psum sizes in MiB, comma separated")
     parser.add_argument("--repeat", type=int, default=5, help="timed psums per size and job")
-    parser.add_argument("--passes", type=int, default=1, help="flat/hier job pairs per layout")
+    parser.add_argument("--passes", type=int, default=1, help="jobs per mode and layout")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host's link")
     parser.add_argument(
         "--piece-kib",
