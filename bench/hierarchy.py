@@ -27,6 +27,7 @@ Usage (as root)::
     python bench/hierarchy.py                           # 2x2 and 4x2, 8 and 64 MiB
     python bench/hierarchy.py --layouts 2x2 --sizes 8 --repeat 5 --json out.json
     python bench/hierarchy.py --piece-kib 128,512,1024 --passes 2   # tune PIECE_BYTES
+    python bench/hierarchy.py --sizes 0.0625,0.25,1 --hier-min 1     # tune MESHCOMM_HIER_MIN
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _link(way: str) -> int:
         return int(fh.read())
 
 
-def _rank(sizes_mib: list[int], repeat: int, piece_kib: int) -> None:
+def _rank(sizes_mib: list[float], repeat: int, piece_kib: int) -> None:
     """One rank of a job: psums at each size; local rank 0 of each host reads its link."""
     import meshcomm
     from meshcomm.backends.algorithms import hierarchical
@@ -64,7 +65,7 @@ def _rank(sizes_mib: list[int], repeat: int, piece_kib: int) -> None:
     reader = os.environ["LOCAL_RANK"] == "0"
     rows = []
     for mib in sizes_mib:
-        x = np.ones((mib << 20) // 4, np.float32)
+        x = np.ones(_bytes(mib) // 4, np.float32)
         world.all_reduce(x)  # connections, rings, the layout agreement
         times, sent, moved, cpu = [], [], [], []
         out = None
@@ -109,6 +110,8 @@ def _job(n_hosts: int, per_host: int, mode: str, args: argparse.Namespace) -> li
         MASTER_PORT=str(PORT),
     )
     env.pop("MESHCOMM_HIER_MIN", None)
+    if args.hier_min is not None:
+        env["MESHCOMM_HIER_MIN"] = str(args.hier_min)
     if mode == "flat":
         env["MESHCOMM_HIER_MIN"] = "0"
     piece = mode.partition("/")[2] or "0"
@@ -136,6 +139,10 @@ def _job(n_hosts: int, per_host: int, mode: str, args: argparse.Namespace) -> li
     raise SystemExit(f"{mode} {n_hosts}x{per_host}: no result\n{outs[0][0][-2000:]}")
 
 
+def _bytes(mib: float) -> int:
+    return int(mib * (1 << 20)) // 4 * 4  # whole float32 elements
+
+
 def _rate(text: str) -> float:
     for unit, scale in RATES.items():
         if text.endswith(unit):
@@ -145,11 +152,11 @@ def _rate(text: str) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        _rank([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]))
+        _rank([float(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="2x2,4x2", help="hosts x ranks per host, ...")
-    parser.add_argument("--sizes", default="8,64", help="psum sizes in MiB, comma separated")
+    parser.add_argument("--sizes", default="8,64", help="psum sizes in MiB (0.25: 256 KiB), ...")
     parser.add_argument("--repeat", type=int, default=5, help="timed psums per size and job")
     parser.add_argument("--passes", type=int, default=1, help="jobs per mode and layout")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host's link")
@@ -158,6 +165,12 @@ def main() -> None:
         default="",
         help="tuning: one hierarchical mode per pipeline piece size (KiB, comma separated) "
         "instead of the library's PIECE_BYTES",
+    )
+    parser.add_argument(
+        "--hier-min",
+        type=int,
+        help="MESHCOMM_HIER_MIN of the hierarchical jobs (bytes; default: the library's), "
+        "to time the hierarchy below its threshold",
     )
     parser.add_argument("--json", help="write the raw figures here")
     args = parser.parse_args()
@@ -183,8 +196,8 @@ def main() -> None:
         print("| MiB | mode | host 0 link bytes / psum | most a host sent / psum | time (ms) "
               "| wire (ms) | time / wire | CPU (ms, all ranks) |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|")
-        for i, mib in enumerate(int(s) for s in args.sizes.split(",")):
-            size = mib << 20
+        for i, mib in enumerate(float(s) for s in args.sizes.split(",")):
+            size = _bytes(mib)
             for mode in modes:
                 rows = [run[i] for run in runs[mode]]
                 took = statistics.median(t for r in rows for t in r["times"])
@@ -192,8 +205,8 @@ def main() -> None:
                 moved = statistics.median(b for r in rows for b in r["host0_bytes"])
                 sent = statistics.median(b for r in rows for b in r["max_sent"])
                 wire = sent * 8 / bits
-                print(f"| {mib} | {mode} | {moved / size:.2f}x | {sent / size:.2f}x | "
-                      f"{took * 1e3:.0f} | {wire * 1e3:.0f} | {took / wire:.2f} | "
+                print(f"| {mib:g} | {mode} | {moved / size:.2f}x | {sent / size:.2f}x | "
+                      f"{took * 1e3:.1f} | {wire * 1e3:.1f} | {took / wire:.2f} | "
                       f"{used * 1e3:.0f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
