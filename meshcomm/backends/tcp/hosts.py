@@ -35,7 +35,7 @@ __all__ = ["HIER_MIN_BYTES", "HostView", "hier_min"]
 
 #: The smallest buffer (all_reduce, broadcast), result (all_gather) or input
 #: (reduce_scatter) that runs hierarchically on a group spanning hosts. Below it the flat
-#: algorithms' fewer steps win or tie: psums on 1 Gbit/s simulated hosts
+#: algorithms' fewer steps win or come close: psums on 1 Gbit/s simulated hosts
 #: (``bench/hierarchy.py --hier-min 1``), flat against hierarchical, 0.3 against 0.8 ms at
 #: 64 KiB on 2 x 2 and 2.3 against 4.5 on 4 x 2; at 256 KiB 1.8 against 0.9 and 7.2 against
 #: 4.3 (docs/benchmarks.md).
