@@ -6,6 +6,8 @@ with one end of a veth pair (the other end on the bridge) and an address ``10.21
 (``S`` from the test's pid, so parallel runs do not meet). :meth:`Hosts.run` starts a command
 on a host inside ``unshare --uts --mount --pid``: its own hostname and a private tmpfs on
 ``/dev/shm`` (so the shared-memory host key differs), in a session of its own.
+:meth:`Hosts.run_all` starts several processes in one host's namespaces (ranks that share
+memory). :meth:`Hosts.shape` limits what each host sends with tc tbf (needs ``tc``).
 :meth:`Hosts.cut` takes a host's link down (no RST, no FIN: its peers see silence).
 :meth:`Hosts.close` kills every process started and deletes every namespace, also after a
 failed test. Root only; :func:`available` says why not otherwise.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -102,6 +105,30 @@ class Hosts:
         )
         self._procs.append(proc)
         return proc
+
+    def run_all(
+        self,
+        host: int,
+        argv: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` once per entry of ``envs`` (extra variables each) on host ``host``,
+        all in one hostname, /dev/shm and pid namespace (so they share memory, as ranks
+        started by one launcher do); the command fails when any of them does."""
+        lines = ['pids=""']
+        for extra in envs:
+            assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in extra.items())
+            command = " ".join(shlex.quote(a) for a in argv)
+            lines.append(f'env {assigns} {command} & pids="$pids $!"')
+        lines.append('rc=0; for p in $pids; do wait "$p" || rc=1; done; exit "$rc"')
+        return self.run(host, ["sh", "-c", "\n".join(lines)], env)
+
+    def shape(self, rate: str = "1gbit", burst: str = "512kb", latency: str = "200ms") -> None:
+        """Limit what every host sends to ``rate`` (tc tbf on its eth0), as a NIC would."""
+        for name in self.names:
+            _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                "rate", rate, "burst", burst, "latency", latency)  # fmt: skip
 
     def cut(self, host: int) -> None:
         """Take host ``host``'s link down (its packets go nowhere; no RST, no FIN)."""

@@ -256,6 +256,24 @@ def _check_root(rank: int, where: str, root: object, size: int) -> int:
     return value
 
 
+def _check_blocks(
+    rank: int, where: str, send: object, recv: object, size: int, *, whole: str
+) -> None:
+    """The checks of an all_gather (``whole="recv"``) or reduce_scatter (``whole="send"``),
+    flat or host-aware, before any I/O: two flat arrays of one dtype, ``whole`` holding
+    ``size`` times the other's elements."""
+    send = _check_array(rank, where, "send", send, writable=False)
+    recv = _check_array(rank, where, "recv", recv, writable=True)
+    _check_same_dtype(rank, where, send, recv)
+    big, part = (recv, send) if whole == "recv" else (send, recv)
+    if big.size != size * part.size:
+        other = "send" if whole == "recv" else "recv"
+        raise InvalidArgument(
+            f"rank {rank}: {where} {whole} must hold size * len({other}) = {size} * "
+            f"{part.size} = {size * part.size} elements, got {big.size}"
+        )
+
+
 def _chunk_elems(rank: int, chunk_bytes: int | None, itemsize: int) -> int:
     if chunk_bytes is None and itemsize:
         return max(1, CHUNK_BYTES // itemsize)
@@ -375,14 +393,7 @@ def all_gather(
         [0, 0, 1, -1, 2, -2]
     """
     r, p = link.rank, link.size
-    _check_array(r, "all_gather", "send", send, writable=False)
-    _check_array(r, "all_gather", "recv", recv, writable=True)
-    _check_same_dtype(r, "all_gather", send, recv)
-    if recv.size != p * send.size:
-        raise InvalidArgument(
-            f"rank {r}: all_gather recv must hold size * len(send) = {p} * {send.size} = "
-            f"{p * send.size} elements, got {recv.size}"
-        )
+    _check_blocks(r, "all_gather", send, recv, p, whole="recv")
     name = _choose("all_gather", recv.nbytes, p, algorithm)
     if send.size == 0:
         return
@@ -434,14 +445,7 @@ def reduce_scatter(
         [0, 3, 6]
     """
     r, p = link.rank, link.size
-    _check_array(r, "reduce_scatter", "send", send, writable=False)
-    _check_array(r, "reduce_scatter", "recv", recv, writable=True)
-    _check_same_dtype(r, "reduce_scatter", send, recv)
-    if send.size != p * recv.size:
-        raise InvalidArgument(
-            f"rank {r}: reduce_scatter send must hold size * len(recv) = {p} * {recv.size} = "
-            f"{p * recv.size} elements, got {send.size}"
-        )
+    _check_blocks(r, "reduce_scatter", send, recv, p, whole="send")
     rop = _check_op(r, "reduce_scatter", op, send.dtype)
     name = _choose("reduce_scatter", send.nbytes, p, algorithm)
     chunk = _chunk_elems(r, chunk_bytes, send.itemsize)

@@ -29,10 +29,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshcomm.backends import algorithms
+from meshcomm.backends.algorithms import hierarchical
+from meshcomm.backends.algorithms.hierarchical import Layout
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.tcp import wire
 from meshcomm.backends.tcp.board import board_max
 from meshcomm.backends.tcp.direct import Direct, _flat, _op_ok
+from meshcomm.backends.tcp.hosts import HostView
 from meshcomm.backends.tcp.link import TcpLink
 from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
@@ -59,6 +62,14 @@ def sub_id(parent_id: int, members: Sequence[int], count: int) -> int:
         hashlib.blake2b(raw, digest_size=8, person=b"meshcomm-sub").digest(), "little"
     )
     return value or 1  # never the world's id
+
+
+def _nbytes(arr: object) -> int:
+    return arr.nbytes if isinstance(arr, np.ndarray) else 0
+
+
+def _root_ok(root: object, size: int) -> bool:
+    return isinstance(root, int) and not isinstance(root, bool) and 0 <= root < size
 
 
 class TcpCommunicator(Communicator):
@@ -91,6 +102,7 @@ class TcpCommunicator(Communicator):
         self.comm_id = comm_id
         self.link = TcpLink(transport, comm_id, self.global_ranks, rank)
         self._direct = Direct(self.link)
+        self._hosts = HostView(self.link)
         self._transport = transport
         self._owns = owns_transport
         self._group_rank = {g: r for r, g in enumerate(self.global_ranks)}
@@ -181,8 +193,27 @@ class TcpCommunicator(Communicator):
         return value
 
     # -- collectives ---------------------------------------------------------------------
-    # Large collectives between ranks that can all read each other's memory take the direct
-    # path (meshcomm.backends.tcp.direct); the rest run the algorithms over the link.
+    # Large collectives of a group that spans hosts run hierarchically (shared memory inside
+    # each host, sockets across: meshcomm.backends.tcp.hosts); large collectives between
+    # ranks that can all read each other's memory take the direct path
+    # (meshcomm.backends.tcp.direct); the rest run the algorithms over the link.
+    def _layout(
+        self, send: object, recv: object, nbytes: int, op: ReduceOp | None
+    ) -> Layout | None:
+        """The host layout when this call runs hierarchically (the same on every rank: the
+        size and a layout agreed once), else None. Malformed calls stay flat, where the
+        algorithms raise the error."""
+        if self._hosts.min_bytes < 0 or nbytes < self._hosts.min_bytes:
+            return None
+        if not (
+            _flat(recv, True)
+            and _flat(send, False)
+            and send.dtype == recv.dtype  # type: ignore[attr-defined]
+            and (op is None or _op_ok(op, recv.dtype))  # type: ignore[attr-defined]
+        ):
+            return None
+        return self._hosts.layout(nbytes)
+
     def _on_board(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
         """Whether this all_reduce takes the board: small, well formed, below the direct
         path's size, and every member agreed once that it can (the same on every rank)."""
@@ -224,6 +255,8 @@ class TcpCommunicator(Communicator):
         self._check("all_reduce")
         if self._on_board(buf, buf, op):
             self._transport.board_all_reduce(buf, buf, op)
+        elif (hosts := self._layout(buf, buf, _nbytes(buf), op)) is not None:
+            hierarchical.all_reduce(self.link, buf, op, hosts)
         elif not self._direct.all_reduce(buf, buf, op):
             algorithms.all_reduce(self.link, buf, op)
 
@@ -236,17 +269,23 @@ class TcpCommunicator(Communicator):
         self._check("all_reduce")
         if self._on_board(send, recv, op):
             self._transport.board_all_reduce(send, recv, op)
+        elif (hosts := self._layout(send, recv, _nbytes(recv), op)) is not None:
+            hierarchical.all_reduce(self.link, recv, op, hosts, send=send)
         elif not self._direct.all_reduce(send, recv, op):
             algorithms.all_reduce(self.link, recv, op, send=send)
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._check("all_gather")
-        if not self._direct.all_gather(send, recv):
+        if (hosts := self._layout(send, recv, _nbytes(recv), None)) is not None:
+            hierarchical.all_gather(self.link, send, recv, hosts)
+        elif not self._direct.all_gather(send, recv):
             algorithms.all_gather(self.link, send, recv)
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
         self._check("reduce_scatter")
-        if not self._direct.reduce_scatter(send, recv, op):
+        if (hosts := self._layout(send, recv, _nbytes(send), op)) is not None:
+            hierarchical.reduce_scatter(self.link, send, recv, op, hosts)
+        elif not self._direct.reduce_scatter(send, recv, op):
             algorithms.reduce_scatter(self.link, send, recv, op)
 
     def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
@@ -255,7 +294,12 @@ class TcpCommunicator(Communicator):
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._check("broadcast")
-        if not self._direct.broadcast(buf, root):
+        if (
+            _root_ok(root, self.size)
+            and (hosts := self._layout(buf, buf, _nbytes(buf), None)) is not None
+        ):
+            hierarchical.broadcast(self.link, buf, root, hosts)
+        elif not self._direct.broadcast(buf, root):
             algorithms.broadcast(self.link, buf, root)
 
     def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
@@ -280,7 +324,14 @@ class TcpCommunicator(Communicator):
             )
         # Every rank makes the same choice: the direct path looks at the sizes and the
         # communicator's verdict, never at whether this rank has a send buffer.
-        if not self._direct.broadcast(recv, root, send=send):
+        if (
+            _root_ok(root, self.size)
+            and (hosts := self._layout(recv, recv, _nbytes(recv), None)) is not None
+        ):
+            if send is not None:
+                np.copyto(recv, send)
+            hierarchical.broadcast(self.link, recv, root, hosts)
+        elif not self._direct.broadcast(recv, root, send=send):
             if send is not None:
                 np.copyto(recv, send)
             algorithms.broadcast(self.link, recv, root)

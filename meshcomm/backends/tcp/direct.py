@@ -40,14 +40,13 @@ Knob: ``MESHCOMM_SHM_DIRECT_MIN`` (bytes; the smallest size that takes this path
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from meshcomm.backends.algorithms._common import block_bounds, combine_into
-from meshcomm.errors import InvalidArgument
+from meshcomm.backends.tcp.thresholds import size_threshold
 from meshcomm.reduction import PRIMITIVE_OP_KINDS, ReduceOp
 
 if TYPE_CHECKING:
@@ -67,20 +66,8 @@ DIRECT_MIN_BYTES = 256 << 10
 PIECE_BYTES = 1 << 20
 
 
-def _env_min() -> int | None:
-    raw = os.environ.get("MESHCOMM_SHM_DIRECT_MIN", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidArgument(
-            f"MESHCOMM_SHM_DIRECT_MIN must be an integer number of bytes, got {raw!r}"
-        ) from None
-    return value if value > 0 else -1
-
-
-_ENV_MIN = _env_min()
+# Read once: every rank must choose the same path for the same call.
+_MIN = size_threshold("MESHCOMM_SHM_DIRECT_MIN", DIRECT_MIN_BYTES)
 
 
 def direct_min(size: int) -> int:
@@ -92,7 +79,7 @@ def direct_min(size: int) -> int:
     """
     if size < 2:
         return -1
-    return DIRECT_MIN_BYTES if _ENV_MIN is None else _ENV_MIN
+    return _MIN
 
 
 def _op_ok(op: object, dtype: np.dtype) -> bool:
