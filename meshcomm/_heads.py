@@ -118,6 +118,8 @@ def _call(value: Any) -> dict[str, Any] | None:
     }
     if "for" in value:
         out["for"] = _number(value.get("for")) or 0.0
+    if isinstance(value.get("args"), str):
+        out["args"] = _text(value["args"])
     return out
 
 

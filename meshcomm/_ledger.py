@@ -1,12 +1,13 @@
 """The collective ledger: every group remembers its last collectives, always.
 
 Each :class:`~meshcomm.group.ProcessGroup` keeps a ring of its last ``MESHCOMM_LEDGER``
-collectives (default 2048; 0 turns it off): sequence number, operation, dtype, shape, the
-caller's ``file:line`` outside meshcomm, the name the user called it by (``psum`` through
-:mod:`meshcomm.ops`), when it was issued and when it ended (or that it is
-still in flight, or failed). ``group.ledger()`` returns them; the hang report a rank prints on
-``SIGUSR1`` starts from them. Memory is bounded by the ring (about 200 bytes a record, 400
-KiB a group at the default); a record costs about 0.7 us per call (docs/benchmarks.md).
+collectives (default 2048; 0 turns it off): sequence number, operation, dtype, shape, reduce
+op or root (whichever the operation has), the caller's ``file:line`` outside meshcomm, the
+name the user called it by (``psum`` through :mod:`meshcomm.ops`), when it was issued and
+when it ended (or that it is still in flight, or failed). ``group.ledger()`` returns them;
+the hang report a rank prints on ``SIGUSR1`` starts from them. Memory is bounded by the ring
+(about 200 bytes a record, 400 KiB a group at the default); a record costs about 0.7 us per
+call (docs/benchmarks.md).
 
 Example:
     >>> book = Ledger(2)
@@ -29,7 +30,16 @@ import numpy as np
 
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["DEFAULT_LENGTH", "LEDGER_ENV", "Entry", "Ledger", "ledger_length", "named"]
+__all__ = [
+    "DEFAULT_LENGTH",
+    "LEDGER_ENV",
+    "Entry",
+    "Ledger",
+    "ledger_length",
+    "named",
+    "arguments",
+    "record",
+]
 
 #: The environment variable that sets how many collectives a group remembers.
 LEDGER_ENV = "MESHCOMM_LEDGER"
@@ -53,7 +63,10 @@ def ledger_length() -> int:
 
 # A record is a list, not an object: it is made on every collective, and a list literal
 # costs a fraction of an instance. Its slots:
-_SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED, _API = range(10)
+_SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED, _API, _EXTRA = range(11)
+# Operations whose record's extra is a root (the others': a reduce op), when it is not the
+# general path's fingerprint fields (a dict with both).
+_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _OPS = os.path.join(_PACKAGE, "ops") + os.sep
 # How far back head() looks for the last completed collective (async ones may still run).
@@ -82,6 +95,58 @@ def named(entry: Entry) -> tuple[str, str]:
 Entry = list
 
 
+def _extra(entry: Entry) -> tuple[Any, Any, bool]:
+    """A record's reduce op (its name), root and device flag."""
+    extra = entry[_EXTRA]
+    if isinstance(extra, dict):
+        reduce, root = extra.get("reduce"), extra.get("root")
+        device = bool(extra.get("device", False))
+    elif entry[_OP] in _ROOTED:
+        reduce, root, device = None, extra, False
+    else:
+        reduce, root, device = extra, None, False
+    if reduce is not None:
+        reduce = str(getattr(reduce, "value", reduce)).lower()
+    return reduce, root, device
+
+
+def arguments(entry: Entry) -> str:
+    """A record's arguments in words: ``float32[4], sum``, ``int64[2, 3], root=1`` ("" if
+    it has none: a barrier)."""
+    reduce, root, device = _extra(entry)
+    parts = []
+    if entry[_DTYPE] is not None:
+        dims = "" if entry[_SHAPE] is None else ", ".join(str(int(d)) for d in entry[_SHAPE])
+        parts.append(f"{np.dtype(entry[_DTYPE]).name}[{dims}]")
+    if reduce is not None:
+        parts.append(reduce)
+    if root is not None and root != -1:
+        parts.append(f"root={root}")
+    if device:
+        parts.append("on a GPU")
+    return ", ".join(parts)
+
+
+def record(entry: Entry, now: float) -> dict[str, Any]:
+    """One record as a plain dict (see :meth:`Ledger.records`)."""
+    ended = entry[_ENDED]
+    state = "in flight" if ended is None else ("failed" if entry[_FAILED] else "done")
+    reduce, root, device = _extra(entry)
+    return {
+        "seq": entry[_SEQ],
+        "op": entry[_OP],
+        "name": _name(entry),
+        "dtype": None if entry[_DTYPE] is None else np.dtype(entry[_DTYPE]).name,
+        "shape": None if entry[_SHAPE] is None else tuple(int(d) for d in entry[_SHAPE]),
+        "reduce": reduce,
+        "root": root,
+        "device": device,
+        "site": _site(entry),
+        "state": state,
+        "seconds": (now if ended is None else ended) - entry[_ISSUED],
+    }
+
+
 class Ledger:
     """A group's ring of its last collectives.
 
@@ -93,9 +158,12 @@ class Ledger:
         self._ring: collections.deque[Entry] = collections.deque(maxlen=max(0, length))
         self.enabled = length > 0
 
-    def add(self, seq: int, op: str, dtype: Any, shape: Any) -> Entry | None:
+    def add(self, seq: int, op: str, dtype: Any, shape: Any, extra: Any = None) -> Entry | None:
         """Record a collective as issued now, called from the innermost frame outside
         meshcomm; None when the ledger is off.
+
+        ``extra``: the general path's fingerprint fields (a dict: ``reduce``, ``root``,
+        ``device``...), or a direct path's reduce op (as the caller spelled it) or root.
 
         Called by the group layer only: the two frames above this one are meshcomm's (the
         group's issue and its public method), so the search for the caller starts above.
@@ -112,7 +180,9 @@ class Ledger:
             frame = frame.f_back
         where = ("?", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
         code = None if api is None else api.f_code
-        entry = [seq, op, dtype, shape, where[0], where[1], time.monotonic(), None, False, code]
+        entry = [
+            seq, op, dtype, shape, where[0], where[1], time.monotonic(), None, False, code, extra
+        ]  # fmt: skip
         self._ring.append(entry)
         return entry
 
@@ -131,7 +201,8 @@ class Ledger:
         """Where this group is now, safe to call from another thread: ``seq`` (the last
         issued), ``done`` (the last completed collective: ``name``, ``seq``, ``site``, or
         None), ``now`` (the oldest one still in flight, with ``for``: seconds, or None) and
-        ``issued`` (``time.monotonic()`` of the last call, or None)."""
+        ``issued`` (``time.monotonic()`` of the last call, or None). ``now`` also has
+        ``args``: its arguments in words (:func:`arguments`)."""
         for _ in range(3):
             try:
                 tail = list(self._ring)[-_HEAD_SCAN:]
@@ -162,30 +233,33 @@ class Ledger:
                 "seq": flying[_SEQ],
                 "site": _site(flying),
                 "for": now - flying[_ISSUED],
+                "args": arguments(flying),
             }
         return head
 
     def records(self) -> list[dict[str, Any]]:
         """The records, oldest first, as plain dicts (``state``: done, failed, in flight;
-        ``seconds``: how long it took, or has been in flight)."""
+        ``seconds``: how long it took, or has been in flight; ``reduce``: the reduce op's
+        name and ``root``: the root, each None where the operation has none; ``device``:
+        whether the array was on a GPU)."""
         now = time.monotonic()
-        out = []
-        for e in list(self._ring):
-            ended = e[_ENDED]
-            state = "in flight" if ended is None else ("failed" if e[_FAILED] else "done")
-            out.append(
-                {
-                    "seq": e[_SEQ],
-                    "op": e[_OP],
-                    "name": _name(e),
-                    "dtype": None if e[_DTYPE] is None else np.dtype(e[_DTYPE]).name,
-                    "shape": None if e[_SHAPE] is None else tuple(e[_SHAPE]),
-                    "site": _site(e),
-                    "state": state,
-                    "seconds": (now if ended is None else ended) - e[_ISSUED],
-                }
-            )
-        return out
+        return [record(e, now) for e in list(self._ring)]
+
+    def find(self, seq: int) -> dict[str, Any] | None:
+        """The record of call ``seq`` (as :meth:`records` gives it), or None if it is not
+        in the ring (safe to call from another thread)."""
+        for _ in range(3):
+            try:
+                ring = list(self._ring)
+                break
+            except RuntimeError:  # appended to meanwhile (another thread's collective)
+                continue
+        else:
+            return None
+        for e in reversed(ring):
+            if e[_SEQ] == seq:
+                return record(e, time.monotonic())
+        return None
 
     def __len__(self) -> int:
         return len(self._ring)

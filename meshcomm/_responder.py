@@ -9,10 +9,14 @@ key; the responder answers with the rank's head (:mod:`meshcomm._heads`) under t
 number and deletes the request. Nothing runs per collective: the thread sleeps in the store
 until someone asks, and wakes every few seconds only to notice shutdown.
 
+A request may also ask for one record of one group's ledger (:func:`ask_call`): a rank that
+saw a peer's call differ from its own (a mismatch) names the peer's call with it.
+
 Keys (under the world's store prefix)::
 
     meshcomm/ask/<rank>          request counter
-    meshcomm/ask/<rank>/<n>      request n ("?", or "stop" from the rank itself)
+    meshcomm/ask/<rank>/<n>      request n ("?", "call\n<group>\n<seq>", or "stop" from
+                                 the rank itself)
     meshcomm/head/<rank>/<n>     answer n (JSON, at most heads.MAX_BYTES)
 
 Only stores that can hold a second blocking client get a responder: ``TCPStore`` (a second
@@ -36,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +54,7 @@ from meshcomm.store.tcp import TCPStore
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
 
-__all__ = ["Responder", "answer", "ask"]
+__all__ = ["Responder", "answer", "ask", "ask_call"]
 
 _PREFIX = "meshcomm/"
 # The responder's store wait: how often it looks at its stop flag when nobody asks.
@@ -86,6 +91,70 @@ def answer(store: Store, rank: int, n: int, wait: float = 0.0) -> dict[str, Any]
     with contextlib.suppress(MeshCommError, OSError):
         store.delete_key(key)  # read once: the store does not grow with requests
     return _heads.parse(raw)
+
+
+def ask_call(store: Store, rank: int, group: str, seq: int, wait: float) -> dict[str, Any] | None:
+    """``rank``'s ledger record of call ``seq`` of its group named ``group`` (as
+    :meth:`~meshcomm._ledger.Ledger.records` gives one, ``shape`` a list), waiting up to
+    ``wait`` seconds; None if it does not answer in time or has no such record."""
+    try:
+        n = ask(store, rank, f"call\n{group}\n{int(seq)}".encode())
+        key = _answer_key(rank, n)
+        store.wait([key], wait)
+        raw = store.get(key)
+        with contextlib.suppress(MeshCommError, OSError):
+            store.delete_key(key)
+    except (MeshCommError, OSError):
+        return None
+    if len(raw) > _heads.MAX_BYTES:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    record = value.get("record") if isinstance(value, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+        return None
+    # Each field checked: these words go into every rank's error message.
+    shape = record.get("shape")
+    if not (isinstance(shape, list) and all(type(d) is int for d in shape[:64])):
+        shape = None
+    return {
+        "name": record["name"][:_MAX_TEXT],
+        "dtype": _short(record.get("dtype")),
+        "shape": None if shape is None else shape[:64],
+        "reduce": _short(record.get("reduce")),
+        "root": record.get("root") if type(record.get("root")) is int else None,
+        "device": record.get("device") is True,
+        "site": _short(record.get("site")) or "?",
+    }
+
+
+_MAX_TEXT = 200
+
+
+def _short(value: Any) -> str | None:
+    return value[:_MAX_TEXT] if isinstance(value, str) else None
+
+
+def _call_answer(world: ProcessGroup, request: bytes) -> bytes:
+    """The answer to a ``call`` request: ``{"record": <record or null>}``."""
+    found = None
+    parts = request.decode(errors="replace").split("\n")
+    if len(parts) == 3 and parts[2].isdigit():
+        for group in _heads.groups_of(world):
+            if group.name == parts[1]:
+                found = group._book.find(int(parts[2]))
+                break
+    if found is not None:
+        found = {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in found.items()
+            if k in ("seq", "op", "name", "dtype", "shape", "reduce", "root", "device", "site")
+        }
+        if not isinstance(found.get("root"), int | None):
+            found["root"] = str(found["root"])
+    return json.dumps({"record": found}).encode()
 
 
 def _own_connection(store: Store) -> tuple[Store, bool] | None:
@@ -138,10 +207,14 @@ class Responder:
                     store.wait([key], _IDLE_WAIT)
                 except StoreTimeout:
                     continue
-                if store.get(key) == b"stop" or self._stopping:
+                request = store.get(key)
+                if request == b"stop" or self._stopping:
                     return
-                head = _heads.collect(self._world, rank)
-                store.set(_answer_key(rank, n), _heads.encode(head))
+                if request.startswith(b"call\n"):
+                    store.set(_answer_key(rank, n), _call_answer(self._world, request))
+                else:
+                    head = _heads.collect(self._world, rank)
+                    store.set(_answer_key(rank, n), _heads.encode(head))
                 store.delete_key(key)
                 n += 1
         except (MeshCommError, OSError):

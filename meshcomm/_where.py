@@ -63,9 +63,10 @@ def describe_rank(rank: int, head: dict[str, Any]) -> list[str]:
     parts = []
     for g in busy[:2]:
         now = g["now"]
+        args = f" with {now['args']}" if now.get("args") else ""
         parts.append(
             f"in {now['name']} #{now['seq']} {g['label']} for {now.get('for', 0.0):.1f} s "
-            f"(called at {now['site']})"
+            f"(called at {now['site']}){args}"
         )
     if not parts:
         idle = head["idle"]

@@ -11,6 +11,7 @@ MeshCommError`` catches them all. The tree::
     ├── CommError               a collective or point-to-point operation failed
     │   ├── CommTimeout         a peer stayed silent past the timeout (also a TimeoutError)
     │   ├── PeerError           a peer went away (its process died, its connection closed)
+    │   ├── MismatchError       ranks called different collectives (op, dtype, shape, root...)
     │   └── ProtocolError       bytes on the wire were not what the protocol allows
     │       └── LinkAuthError   a peer link failed authentication (secret, relay, replay)
     ├── SpawnError              a process started by meshcomm.spawn failed; the others were stopped
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidArgument",
     "LinkAuthError",
     "MeshCommError",
+    "MismatchError",
     "PeerError",
     "ProcessExitedException",
     "ProcessRaisedException",
@@ -93,6 +95,21 @@ class PeerError(CommError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class MismatchError(CommError):
+    """The ranks of a group called different collectives (or the same one with different
+    dtype, shape, reduce op, root or device): every rank raises it, naming both calls.
+
+    Attributes:
+        peer: the global rank whose call differed from this rank's (None: not known here).
+        theirs: that rank's fingerprint stamp as it arrived (None: not known here).
+    """
+
+    def __init__(self, message: str, peer: int | None = None, theirs: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.theirs = theirs
 
 
 class ProtocolError(CommError):

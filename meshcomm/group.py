@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
@@ -73,13 +72,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _ledger, _lower, _report, _staging, _verdict
+from meshcomm import _fingerprint, _ledger, _lower, _report, _responder, _staging, _verdict
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool, rank_blocks_fit
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
-from meshcomm.errors import CommError, CommTimeout, InvalidArgument
+from meshcomm.errors import CommError, CommTimeout, InvalidArgument, MismatchError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 from meshcomm.work import ProgressEngine, Work
@@ -112,8 +111,31 @@ def _flat_runner(primitive: Callable[..., None], *args: Any) -> Runner:
     return run
 
 
-def _debug_from_env() -> bool:
-    return any(os.environ.get(k, "").strip().upper() == "DETAIL" for k in DEBUG_ENV_VARS)
+# _fingerprint's stamp layout, for the inline stamp of _run_direct.
+_SEQ_BITS = _fingerprint.SEQ_BITS
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+_SIG_MASK = (1 << (_fingerprint.STAMP_BITS - _SEQ_BITS)) - 1
+
+#: How long a rank that saw a mismatch waits for the peer's record of its call (its
+#: responder answers in milliseconds; the others' abort checks come every second).
+_ASK_WAIT = 1.0
+
+
+def _called(rank: int, record: dict[str, Any] | None, op: str | None, seq: int) -> str:
+    """``rank 1 called psum(float32[4], sum) at train.py:12 (op #3)`` from a ledger record
+    (None: only what is known: the op, or nothing)."""
+    if record is None:
+        what = f"{op}(...)" if op else "another collective"
+        return f"rank {rank} called {what} (op #{seq})"
+    call = _fingerprint.describe_call(
+        record["name"],
+        record.get("dtype"),
+        record.get("shape"),
+        record.get("reduce"),
+        record.get("root"),
+        bool(record.get("device")),
+    )
+    return f"rank {rank} called {call} at {record.get('site', '?')} (op #{seq})"
 
 
 class ProcessGroup:
@@ -161,9 +183,22 @@ class ProcessGroup:
         pools = None if _parent is None else (_parent._engine.pool, _parent._engine.results)
         self._engine: ProgressEngine = ProgressEngine(f"rank {me} in group {name!r}", pools)
         if _parent is None:
-            self._debug = _debug_from_env() if debug is None else bool(debug)
+            level = _fingerprint.level()
+            self._debug = level == _fingerprint.DETAIL if debug is None else bool(debug)
+            self._checks = level != _fingerprint.OFF
         else:
             self._debug = _parent._debug if debug is None else bool(debug)
+            self._checks = _parent._checks
+        # Default checks (not DETAIL, not OFF): the communicator carries each call's stamp
+        # (its holder's ``stamp``) where it can; see _fingerprint and _mismatch.
+        checked = self._checks and not self._debug and comm.size > 1  # one rank agrees
+        holder = comm.stamp_holder() if checked else None
+        self._stamper: Any = holder
+        # Backends without stamps (mpi): the signatures checked once (_fingerprint.check_first);
+        # None: no such checks (stamps, DETAIL, OFF, or a group of one).
+        self._seen: set[int] | None = None
+        if checked and holder is None:
+            self._seen = set()
         self._seq = 0
         self._book = _ledger.Ledger(_ledger.ledger_length())
         self._children = 0
@@ -179,11 +214,12 @@ class ProcessGroup:
         # Runners for the direct paths (see _learn_reducing, _learn_moving): all_reduce and
         # reduce_scatter by (dtype, op as spelled), all_gather and all_to_all by dtype,
         # broadcast by (dtype, root).
-        self._direct_reduce: dict[tuple[np.dtype, Any], Runner] = {}
-        self._direct_gather: dict[Any, Runner] = {}
-        self._direct_scatter: dict[tuple[np.dtype, Any], Runner] = {}
-        self._direct_a2a: dict[Any, Runner] = {}
-        self._direct_bcast: dict[Any, Runner] = {}
+        # Each entry: the runner and the signature base of its calls (_fingerprint.base).
+        self._direct_reduce: dict[tuple[np.dtype, Any], tuple[Runner, int]] = {}
+        self._direct_gather: dict[Any, tuple[Runner, int]] = {}
+        self._direct_scatter: dict[tuple[np.dtype, Any], tuple[Runner, int]] = {}
+        self._direct_a2a: dict[Any, tuple[Runner, int]] = {}
+        self._direct_bcast: dict[Any, tuple[Runner, int]] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -244,7 +280,10 @@ class ProcessGroup:
     def ledger(self) -> list[dict[str, Any]]:
         """This rank's last collectives on this group, oldest first (``MESHCOMM_LEDGER``).
 
-        Each record has ``seq``, ``op``, ``dtype``, ``shape``, ``site`` (the caller's
+        Each record has ``seq``, ``op``, ``name`` (as called: ``psum``), ``dtype``,
+        ``shape``, ``reduce`` (the reduce op's name) and ``root`` (each None where the
+        operation has none), ``device`` (a GPU array), ``group`` (the group in words, by
+        its mesh axes where a mesh made it: ``"over 'tp'"``), ``site`` (the caller's
         ``file:line``), ``state`` ("done", "failed" or "in flight") and ``seconds``.
 
         Example:
@@ -253,7 +292,8 @@ class ProcessGroup:
             >>> [(r["seq"], r["op"], r["state"]) for r in g.ledger()]
             [(1, 'all_reduce', 'done')]
         """
-        return self._book.records()
+        label = self.label
+        return [{**r, "group": label} for r in self._book.records()]
 
     @property
     def seq(self) -> int:
@@ -344,7 +384,19 @@ class ProcessGroup:
         if recorder is not None:
             body = _traced(recorder, body, self.name, op, seq, fields)
         book = self._book
-        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"))
+        lowered_fields = fields
+        if device is not None:
+            fields = {**fields, "device": True}  # for the ledger
+        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
+        if self._stamper is not None:
+            sig = _fingerprint.signature_of(op, fields, device is not None)
+            body = self._stamped(body, _fingerprint.stamp(sig, seq), op, seq, entry)
+        elif self._seen is not None:
+            sig = _fingerprint.signature_of(op, fields, device is not None)
+            if sig not in self._seen:
+                on_device = device is not None
+                row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
+                body = self._checked_first(body, row, sig, op, seq, entry)
         if entry is not None and async_op:
             body = _booked(entry, body)  # it ends on the engine's thread
         try:
@@ -401,7 +453,7 @@ class ProcessGroup:
             except TypeError:  # an unhashable op: the full path says what is wrong with it
                 run = None
             if run is not None and x.flags.c_contiguous:
-                out = self._run_direct("all_reduce", run, x, x.shape, x.size)
+                out = self._run_direct("all_reduce", run, x, x.shape, x.size, op)
                 if out is not None:
                     return out
         c = self._enter("all_reduce")
@@ -414,7 +466,7 @@ class ProcessGroup:
     def _learn_reducing(
         self,
         name: str,
-        table: dict[tuple[np.dtype, Any], Runner],
+        table: dict[tuple[np.dtype, Any], tuple[Runner, int]],
         c: _lower.Call,
         x: Any,
         op: Any,
@@ -441,12 +493,15 @@ class ProcessGroup:
             key = (x.dtype, op)
             if key not in table and len(table) < _DIRECT_PAIRS:
                 make = getattr(self._comm, f"{name}_runner", None)
-                table[key] = make(x.dtype, rop) if make is not None else _flat_runner(flat, rop)
+                run = make(x.dtype, rop) if make is not None else _flat_runner(flat, rop)
+                # The signature base the general path computes from its fields for this call.
+                axis = -1 if name == "all_reduce" else 0
+                table[key] = (run, _fingerprint.base(name, x.dtype, rop, -1, axis))
 
     def _learn_moving(
         self,
         name: str,
-        table: dict[Any, Runner],
+        table: dict[Any, tuple[Runner, int]],
         x: Any,
         *args: Any,
         flat: Callable[..., None] | None = None,
@@ -462,16 +517,36 @@ class ProcessGroup:
         if key not in table and len(table) < _DIRECT_PAIRS:
             make = getattr(self._comm, f"{name}_runner", None)
             if make is not None:
-                table[key] = make(*args)
+                run = make(*args)
             else:
-                table[key] = _flat_runner(flat or getattr(self._comm, name), *args)
+                run = _flat_runner(flat or getattr(self._comm, name), *args)
+            # The signature base the general path computes from its fields for this call.
+            if name == "broadcast":
+                first = _fingerprint.base(name, x.dtype, None, args[0])
+            else:
+                axis2 = 0 if name == "all_to_all" else -1
+                first = _fingerprint.base(name, x.dtype, None, -1, 0, axis2)
+            table[key] = (run, first)
 
     def _run_direct(
-        self, name: str, run: Runner, x: np.ndarray, shape: tuple[int, ...], count: int
+        self,
+        name: str,
+        direct: tuple[Runner, int],
+        x: np.ndarray,
+        shape: tuple[int, ...],
+        count: int,
+        extra: Any = None,
+        tiled: int = -1,
     ) -> np.ndarray | None:
         """A direct path's call: a fresh result of ``shape`` (``count`` elements of ``x``'s
-        dtype), filled by ``run(x, result)`` on the claimed engine. None: the engine is busy
-        (queued async work, another thread, a failed world): take the general path."""
+        dtype), filled by ``run(x, result)`` on the claimed engine, ``direct`` being
+        ``(run, signature base)``. ``extra``: the reduce op or root, for the ledger;
+        ``tiled``: for the signature. None: the engine is busy (queued async work, another
+        thread, a failed world): take the general path."""
+        run = direct[0]
+        seen = self._seen
+        if seen is not None and hash((direct[1], tiled, -1, 0, x.shape)) & _SIG_MASK not in seen:
+            return None  # a signature new to this group: the general path checks it first
         engine = self._engine
         if count * x.itemsize < _POOLED:
             out = np.empty(shape, x.dtype)
@@ -479,17 +554,27 @@ class ProcessGroup:
             out = engine.results.take(x.dtype, count).reshape(shape)
         if not engine.claim():
             return None
-        self._seq += 1
+        self._seq = seq = self._seq + 1
         book = self._book
-        entry = book.add(self._seq, name, x.dtype, shape)
+        entry = book.add(seq, name, x.dtype, x.shape, extra)
+        stamper = self._stamper
+        if stamper is not None:
+            # _fingerprint.stamp(_fingerprint.signature(direct[1], x.shape, tiled), seq),
+            # inline: a function call is a tenth of what this path may cost.
+            sig = hash((direct[1], tiled, -1, 0, x.shape)) & _SIG_MASK
+            stamper.stamp = (sig << _SEQ_BITS) | (seq & _SEQ_MASK)
         try:
             run(x, out)
             book.end(entry, False)
         except BaseException as exc:
-            engine.poison(exc, f"{name} (op #{self._seq}) on {self._where}")
-            judged = (
-                self._judged(exc, name, self._seq, entry) if isinstance(exc, CommTimeout) else exc
-            )
+            if isinstance(exc, MismatchError):
+                # In words, for this rank and (through the sticky failure) later calls.
+                worded = self._mismatch(exc, name, seq, entry)
+                engine.poison(worded, f"{name} (op #{seq}) on {self._where}")
+                book.end(entry, True)
+                raise worded from None
+            engine.poison(exc, f"{name} (op #{seq}) on {self._where}")
+            judged = self._judged(exc, name, seq, entry) if isinstance(exc, CommTimeout) else exc
             book.end(entry, True)
             if judged is exc:
                 raise
@@ -497,6 +582,86 @@ class ProcessGroup:
         finally:
             engine.release()
         return out
+
+    def _stamped(
+        self,
+        body: Callable[[], Any],
+        stamp: int,
+        op: str,
+        seq: int,
+        entry: _ledger.Entry | None,
+    ) -> Callable[[], Any]:
+        """``body`` run with the communicator carrying ``stamp``; a mismatch it raises comes
+        out with both calls in words (:meth:`_mismatch`)."""
+        holder = self._stamper
+
+        def stamped() -> Any:
+            holder.stamp = stamp
+            try:
+                return body()
+            except MismatchError as exc:
+                raise self._mismatch(exc, op, seq, entry) from None
+
+        return stamped
+
+    def _checked_first(
+        self,
+        body: Callable[[], Any],
+        row: np.ndarray,
+        sig: int,
+        op: str,
+        seq: int,
+        entry: _ledger.Entry | None,
+    ) -> Callable[[], Any]:
+        """``body`` after the first-call check of its signature ``sig``
+        (:func:`~meshcomm._fingerprint.check_first`; backends without stamps)."""
+        comm, ranks, seen, label = self._comm, self.ranks, self._seen, self.label
+        me = ranks[self.rank]
+        gather = getattr(comm, "check_all_gather", None)
+
+        def mine() -> str:
+            record = None if entry is None else _ledger.record(entry, time.monotonic())
+            return _called(me, record, op, seq).split(" called ", 1)[1]
+
+        what = f"{op} (op #{seq}) on {self._where}"
+
+        def checked() -> Any:
+            if sig not in seen:  # type: ignore[operator]
+                try:
+                    _fingerprint.check_first(comm, row, ranks, label, mine, gather)
+                except CommTimeout as exc:  # name the user's call, not the check's all_gather
+                    raise CommTimeout(f"{what}, checking its first call: {exc}") from exc
+                seen.add(sig)  # type: ignore[union-attr]
+            return body()
+
+        return checked
+
+    def _mismatch(
+        self, exc: MismatchError, op: str, seq: int, entry: _ledger.Entry | None
+    ) -> MismatchError:
+        """``exc`` (a peer's stamp differed from ours in call ``seq``) in the user's words:
+        this rank's call, the peer's (asked of its responder, from its ledger), the group;
+        published so that every member raises the same words. A mismatch that came from
+        another rank's record is already in words and comes back as it is."""
+        peer, theirs = exc.peer, exc.theirs
+        if peer is None or theirs is None:
+            return exc
+        me = self.ranks[self.rank]
+        now = time.monotonic()
+        mine = _ledger.record(entry, now) if entry is not None else None
+        pseq = _fingerprint.stamp_seq(theirs, seq)
+        other = None
+        if self.store is not None:
+            other = _responder.ask_call(self.store, peer, self.name, pseq, _ASK_WAIT)
+        text = (
+            f"ranks disagree on the collective {self.label}: "
+            f"{_called(me, mine, op, seq)}; {_called(peer, other, None, pseq)}"
+        )
+        if peer not in self.ranks or other is None:
+            text += f" (rank {peer}'s record of it could not be read)"
+        with contextlib.suppress(CommError):  # no store: this rank raises its own words
+            text = self._comm.publish_mismatch(text)
+        return MismatchError(text, peer, theirs)
 
     def _judged(
         self, exc: CommTimeout, op: str, seq: int, entry: _ledger.Entry | None = None
@@ -555,7 +720,9 @@ class ProcessGroup:
             if run is not None and x.flags.c_contiguous and (x.ndim or not tiled):
                 n = self.size
                 shape = (n * x.shape[0], *x.shape[1:]) if tiled else (n, *x.shape)
-                out = self._run_direct("all_gather", run, x, shape, n * x.size)
+                out = self._run_direct(
+                    "all_gather", run, x, shape, n * x.size, None, int(bool(tiled))
+                )
                 if out is not None:
                     return out
         c = self._enter("all_gather")
@@ -615,7 +782,9 @@ class ProcessGroup:
             n = self.size
             if run is not None and rank_blocks_fit(x, n, tiled) and x.flags.c_contiguous:
                 block = (x.shape[0] // n, *x.shape[1:]) if tiled else x.shape[1:]
-                out = self._run_direct("reduce_scatter", run, x, block, x.size // n)
+                out = self._run_direct(
+                    "reduce_scatter", run, x, block, x.size // n, op, int(bool(tiled))
+                )
                 if out is not None:
                     return out
         c = self._enter("reduce_scatter")
@@ -674,7 +843,9 @@ class ProcessGroup:
             # Direct path: blocks along axis 0 are MPI's send and receive layout as they lie.
             run = self._direct_a2a.get(x.dtype)
             if run is not None and rank_blocks_fit(x, self.size, tiled) and x.flags.c_contiguous:
-                out = self._run_direct("all_to_all", run, x, x.shape, x.size)
+                out = self._run_direct(
+                    "all_to_all", run, x, x.shape, x.size, None, int(bool(tiled))
+                )
                 if out is not None:
                     return out
         c = self._enter("all_to_all")
@@ -726,7 +897,7 @@ class ProcessGroup:
             # Direct path: root sends from where x lies; the others receive into the result.
             run = self._direct_bcast.get((x.dtype, root))
             if run is not None and x.flags.c_contiguous:
-                out = self._run_direct("broadcast", run, x, x.shape, x.size)
+                out = self._run_direct("broadcast", run, x, x.shape, x.size, root)
                 if out is not None:
                     return out
         c = self._enter("broadcast")

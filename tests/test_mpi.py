@@ -335,7 +335,8 @@ def direct_path() -> list[str]:
             group._direct_a2a,
             group._direct_bcast,
         )
-        runners = {getattr(r, "__qualname__", "") for t in tables for r in t.values()}
+        # Each entry: (runner, signature base).
+        runners = {getattr(r[0], "__qualname__", "") for t in tables for r in t.values()}
         if [len(t) for t in tables] != [len(kinds)] * 4 + [len(bcast_keys)] or runners != {
             "MpiCommunicator._runner.<locals>.run"
         }:
@@ -607,6 +608,52 @@ def compat_default_backend() -> list[str]:
         return failures
     finally:
         dist.destroy_process_group()
+
+
+@case
+def mismatches() -> dict[str, Any]:
+    """For each kind of mismatch, in a fresh group of every rank, rank 1 calls something
+    else than the others (a signature new to every rank: what mpi checks; see
+    docs/debugging.md). Per kind: the error's type, seconds to raise, its words."""
+    import time
+
+    import meshcomm
+    from meshcomm.errors import MismatchError
+
+    world = meshcomm.init(backend="mpi")
+    odd = world.rank == 1
+    out: dict[str, Any] = {}
+    try:
+        for kind in ("dtype", "shape", "reduce_op", "root", "collective", "device"):
+            group = world.subgroup(list(world.ranks), f"k-{kind}")
+            x = np.ones(4, np.float32)
+            start = time.monotonic()
+            try:
+                if kind == "dtype":
+                    group.all_reduce(x.astype(np.int32) if odd else x)  # MPI CALL
+                elif kind == "shape":
+                    group.all_reduce(x[:2].copy() if odd else x)  # MPI CALL
+                elif kind == "reduce_op":
+                    group.all_reduce(x, "max" if odd else "sum")  # MPI CALL
+                elif kind == "root":
+                    group.broadcast(x, root=1 if odd else 0)  # MPI CALL
+                elif kind == "collective":
+                    group.all_gather(x) if odd else group.all_reduce(x)  # MPI CALL
+                else:
+                    # A device array without a GPU: the fingerprint's device flag, as a cupy
+                    # array would set it (ProcessGroup._issue's ``device``).
+                    lowered = meshcomm.group._lower.all_reduce(
+                        group._enter("all_reduce"), x, "sum", None
+                    )
+                    group._issue("all_reduce", lowered, False, np if odd else None)
+                out[kind] = ["no error", time.monotonic() - start, ""]
+            except MismatchError as exc:
+                out[kind] = ["MismatchError", time.monotonic() - start, str(exc)]
+            except Exception as exc:
+                out[kind] = [type(exc).__name__, time.monotonic() - start, str(exc)]
+        return out
+    finally:
+        meshcomm.shutdown()
 
 
 @case
@@ -938,6 +985,37 @@ def test_info_outside_a_launcher_asks_mpi_in_a_child() -> None:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_mismatches_raise_by_default_on_every_rank(nprocs: int) -> None:
+    """The first call of a signature is checked (one all_gather): every kind of mismatch
+    raises MismatchError on every rank, at once, naming both calls, their call sites and
+    the group."""
+    results = run_case(nprocs, "mismatches", env={"MESHCOMM_TIMEOUT": "20"})
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if text.rstrip().endswith("# MPI CALL"))
+    expected = {
+        "dtype": ("all_reduce(int32[4], sum)", "all_reduce(float32[4], sum)", 0),
+        "shape": ("all_reduce(float32[2], sum)", "all_reduce(float32[4], sum)", 2),
+        "reduce_op": ("all_reduce(float32[4], max)", "all_reduce(float32[4], sum)", 4),
+        "root": ("broadcast(float32[4], root=1)", "broadcast(float32[4], root=0)", 6),
+        "collective": ("all_gather(float32[4])", "all_reduce(float32[4], sum)", 8),
+        "device": ("all_reduce(float32[4], sum, on a GPU)", "all_reduce(float32[4], sum)", None),
+    }
+    others = ", ".join(str(r) for r in range(nprocs) if r != 1)
+    them = "rank" if nprocs == 2 else "ranks"
+    for kind, (odd, usual, offset) in expected.items():
+        words = {r[kind][2] for r in results}
+        for rank, (name, seconds, text) in enumerate(r[kind] for r in results):
+            assert name == "MismatchError", f"{kind}: rank {rank}: {name}: {text}"
+            assert seconds < 3.0, f"{kind}: rank {rank} raised after {seconds:.2f} s"
+        assert len(words) == 1, words
+        text = words.pop()
+        assert text.startswith(f"ranks disagree on the collective on group 'k-{kind}': "), text
+        site = "" if offset is None else f"{line + offset} (op #1)"
+        assert f"rank 1 called {odd} at test_mpi.py:{site}" in text, text
+        assert f"{them} {others} called {usual}" in text, text
 
 
 @pytest.mark.parametrize(("nprocs", "shape"), [(2, "2"), (3, "3"), (4, "2x2")])

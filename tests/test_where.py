@@ -50,7 +50,7 @@ def _check(report: str, why: str) -> None:
     assert f"meshrun: where each rank is ({why}" in report, report
     wait, nap = _line("THE WAIT"), _line("THE CALL OF NAP")
     assert "rank 0: in all_reduce #2 on group 'world' for " in report, report
-    assert f"(called at where_ranks.py:{wait})" in report, report
+    assert f"(called at where_ranks.py:{wait}) with float64[2], sum" in report, report
     for rank in (1, 2):
         assert f"rank {rank}: not in a collective; none called for " in report, report
     assert report.count("last done: all_reduce #1 at where_ranks.py:") == 3, report

@@ -51,6 +51,21 @@ class Communicator(ABC):
         calls it with the group's name or mesh axes)."""
         self.label = label
 
+    # -- mismatch checks -----------------------------------------------------------------
+    def stamp_holder(self) -> object | None:
+        """An object whose ``stamp`` attribute the group layer sets before each collective
+        (mismatch checks, :mod:`meshcomm._fingerprint`): the backend carries it in the
+        frames it sends and raises :class:`~meshcomm.errors.MismatchError` (with ``peer``
+        and ``theirs``) when a peer's differs. None (the default): no stamps; the group
+        layer checks the first call of each signature instead."""
+        return None
+
+    def publish_mismatch(self, reason: str) -> str:
+        """Make every rank of this communicator raise ``reason`` (both calls in words) as a
+        :class:`~meshcomm.errors.MismatchError`; return the words to raise here (the first
+        published, where another rank may have been first). Default: ``reason`` alone."""
+        return reason
+
     # -- collectives ---------------------------------------------------------------------
     @abstractmethod
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:

@@ -22,7 +22,8 @@ user-defined ops for bfloat16 (:mod:`meshcomm.backends.mpi._types`). Counts abov
 through MPI-4's large-count functions, which mpi4py picks by itself.
 
 Every communicator owns two duplicates of its MPI communicator: one for collectives and
-``permute``, one for ``send``/``recv``, so user tags never meet meshcomm's own traffic or
+``permute``, one for ``send``/``recv`` (and ``check_all_gather``, the group layer's
+first-call mismatch checks), so user tags never meet meshcomm's own traffic or
 the user's direct mpi4py traffic on ``MPI.COMM_WORLD``. MPI errors come back as exceptions
 (``MPI_ERRORS_RETURN``) and become :class:`~meshcomm.errors.CommError` (or PeerError).
 
@@ -406,6 +407,18 @@ class MpiCommunicator(Communicator):
         s, _ = self._device(send, True, False)
         r, back = self._device(recv, False, True)
         return [self.mpi_comm.Iallgather(_nbytes(s), _nbytes_per(r, self.size))], back, (s, r)
+
+    def _start_check_gather(self, send: np.ndarray, recv: np.ndarray) -> Started:
+        req = self._p2p.Iallgather(_nbytes(send), _nbytes_per(recv, self.size))
+        return [req], None, (send, recv)
+
+    def check_all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """``all_gather`` of host arrays on the point-to-point duplicate, for the group
+        layer's first-call mismatch checks: a rank alone in a check (the others in a
+        collective they called before) then never matches their collective on the
+        collectives' communicator; both wait until the timeout instead of reading each
+        other's bytes as their own."""
+        self._run("all_gather", self._start_check_gather, send, recv)
 
     def _start_reduce_scatter(self, send: Any, recv: Any, op: ReduceOp) -> Started:
         red = self._reductions.get((send.dtype, op)) or self._reduction(send.dtype, op)

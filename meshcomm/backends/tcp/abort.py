@@ -38,13 +38,19 @@ class AbortRecord:
 
     rank: int | None
     reason: str
+    #: The ranks called different collectives (:class:`~meshcomm.errors.MismatchError`);
+    #: ``reason`` names both calls and every rank raises it as it is.
+    mismatch: bool = False
 
     def __str__(self) -> str:
         return self.reason
 
     def encode(self) -> bytes:
         """The record as the store keeps it (JSON, reason cut to :data:`MAX_REASON`)."""
-        return json.dumps({"rank": self.rank, "reason": self.reason[:MAX_REASON]}).encode()
+        value: dict[str, object] = {"rank": self.rank, "reason": self.reason[:MAX_REASON]}
+        if self.mismatch:
+            value["mismatch"] = True
+        return json.dumps(value).encode()
 
     @classmethod
     def decode(cls, raw: bytes, world_size: int) -> AbortRecord:
@@ -66,4 +72,4 @@ class AbortRecord:
             reason = text[:MAX_REASON]
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             rank = None
-        return cls(rank, reason[:MAX_REASON])
+        return cls(rank, reason[:MAX_REASON], value.get("mismatch") is True)

@@ -50,7 +50,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshcomm.backends.algorithms._common import combine_into
-from meshcomm.backends.tcp.doorbell import BOARD_BYTES, BOARD_OFFSET, BOARD_SEQ_WORD, _Bell
+from meshcomm.backends.tcp.doorbell import (
+    BOARD_BYTES,
+    BOARD_OFFSET,
+    BOARD_SEQ_WORD,
+    BOARD_STAMP_WORD,
+    _Bell,
+)
 from meshcomm.backends.tcp.matching import Recv, Send
 from meshcomm.backends.tcp.shm_engine import ShmEngine
 from meshcomm.backends.tcp.shm_platform import _Mapping
@@ -105,12 +111,16 @@ class Board:
         # its bytes are then read, never a closed map).
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
         self.seqs: list[memoryview] = []
+        self.stamps: list[memoryview] = []
+        # The others' communicator ranks (their stamps are compared with ours).
+        self.others = [j for j in range(len(self.members)) if j != rank]
         for m in mappings:
             raw = m.data(BOARD_OFFSET, 2 * BOARD_BYTES)
             arr = np.frombuffer(raw, np.uint8)
             self.slots.append((arr[:BOARD_BYTES], arr[BOARD_BYTES:]))
             word = m.data(8 * BOARD_SEQ_WORD, 8).cast("Q")
             self.seqs.append(word)
+            self.stamps.append(m.data(8 * BOARD_STAMP_WORD, 16).cast("Q"))
         self.seq = int(self.seqs[rank][0])  # 0 for a new doorbell; the same on all members
 
 
@@ -165,11 +175,19 @@ class BoardEngine(ShmEngine):
         return self._board
 
     # -- the call ---------------------------------------------------------------------------
-    def board_all_reduce(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+    def board_all_reduce(
+        self, send: np.ndarray, recv: np.ndarray, op: ReduceOp, stamp: int | None = None
+    ) -> None:
         """Reduce ``send`` of every member into ``recv`` (flat, same dtype and size, at most
         ``BOARD_BYTES``; ``send`` may be ``recv``).
 
+        ``stamp``: the call's stamp (:mod:`meshcomm._fingerprint`), or None. It goes next
+        to the contribution; every member compares every member's after the wait, and a
+        link frame of the world that arrives meanwhile (a rank that took the rings for this
+        call: a different size) is checked against it.
+
         Raises:
+            MismatchError: a member's stamp differs from ours.
             CommTimeout: no member arrived for the timeout.
             PeerError: a member died or closed (names its global rank).
         """
@@ -185,14 +203,23 @@ class BoardEngine(ShmEngine):
                 raise CommError(f"rank {self.rank}: all_reduce: no board")  # pragma: no cover
             self._npending = 0
             try:
-                self._board_run(board, send, recv, op)
+                if stamp is None:
+                    self._stamped = None
+                    self._board_run(board, send, recv, op, 0)
+                else:
+                    self._stamped = (0, -2 - stamp)  # the world's communicator id
+                    if self._unexpected:
+                        self._scan_strays(0)
+                    self._board_run(board, send, recv, op, stamp + 1)
             except BaseException as exc:
                 self._fail(exc, "all_reduce")
                 raise
         finally:
             self._lock.release()
 
-    def _board_run(self, board: Board, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+    def _board_run(
+        self, board: Board, send: np.ndarray, recv: np.ndarray, op: ReduceOp, mark: int
+    ) -> None:
         for g in board.members:
             if g in self._gone:
                 raise self._gone_error(g, "all_reduce with")
@@ -201,6 +228,7 @@ class BoardEngine(ShmEngine):
         me = board.rank
         nbytes = recv.nbytes
         board.slots[me][parity][:nbytes] = send.view(np.uint8)
+        board.stamps[me][parity] = mark
         board.seqs[me][0] = k  # publishes the bytes above (TSO: stores stay in order)
         board.seq = k
         bell = self._bell
@@ -212,6 +240,12 @@ class BoardEngine(ShmEngine):
                 if pb is not None and pb.armed():
                     pb.ring()
         self._board_wait(board, k)
+        if mark:
+            stamps = board.stamps
+            for j in board.others:
+                theirs = stamps[j][parity]
+                if theirs != mark and theirs:
+                    raise self._mismatch(0, board.members[j], -2 - (theirs - 1))
         dtype = recv.dtype
         slots = board.slots
         combine_into(

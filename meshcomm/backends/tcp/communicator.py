@@ -48,6 +48,7 @@ __all__ = ["WORLD_ID", "TcpCommunicator", "sub_id"]
 #: Communicator id of the world.
 WORLD_ID = 0
 _MAX_TAG = 2**63 - 1
+_HELLO = np.ones(1, np.uint8)
 
 
 def sub_id(parent_id: int, members: Sequence[int], count: int) -> int:
@@ -235,6 +236,36 @@ class TcpCommunicator(Communicator):
             self._board = self._board_agree()
         return self._board
 
+    # -- mismatch checks -----------------------------------------------------------------
+    def stamp_holder(self) -> TcpLink:
+        """The link: its ``stamp`` rides in the tag of every link frame (sockets and rings),
+        and in the board's stamp word."""
+        return self.link
+
+    def publish_mismatch(self, reason: str) -> str:
+        """The transport's abort record, as a mismatch: every member blocked in a call of
+        this group raises it within about a second."""
+        return self._transport.publish_mismatch(reason)
+
+    def _hello(self) -> None:
+        """With stamps on, before a rooted collective: a dissemination barrier of one-byte
+        stamped frames (round k: to rank + 2**k, from rank - 2**k; log2(size) rounds).
+        Ranks that disagree on the root may otherwise all wait to receive (or all send) and
+        never compare a stamp, and a root or a leaf may finish without waiting for anyone.
+        Here some two ranks that disagree compare stamps, and no rank leaves before every
+        rank has taken part (transitively): a rank that raised stops the others, which then
+        read its abort record. Skipping it for signatures seen before was tried: a root that
+        repeats its call while another rank changes its own then returns without an error,
+        so not every rank raises in the call (tests/test_mismatch.py)."""
+        if self.link.stamp is None or self.size < 2:
+            return
+        n, r = self.size, self.rank
+        inbox = np.empty(1, np.uint8)
+        step = 1
+        while step < n:
+            self.link.exchange([((r + step) % n, _HELLO)], [((r - step) % n, inbox)])
+            step *= 2
+
     def _board_agree(self) -> bool:
         # The first round opens every pair's channel (shared memory is set up, or not, before
         # a pair's first message moves); then every rank says whether it can use the board.
@@ -254,7 +285,7 @@ class TcpCommunicator(Communicator):
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         self._check("all_reduce")
         if self._on_board(buf, buf, op):
-            self._transport.board_all_reduce(buf, buf, op)
+            self._transport.board_all_reduce(buf, buf, op, self.link.stamp)
         elif (hosts := self._layout(buf, buf, _nbytes(buf), op)) is not None:
             hierarchical.all_reduce(self.link, buf, op, hosts)
         elif not self._direct.all_reduce(buf, buf, op):
@@ -268,7 +299,7 @@ class TcpCommunicator(Communicator):
         """
         self._check("all_reduce")
         if self._on_board(send, recv, op):
-            self._transport.board_all_reduce(send, recv, op)
+            self._transport.board_all_reduce(send, recv, op, self.link.stamp)
         elif (hosts := self._layout(send, recv, _nbytes(recv), op)) is not None:
             hierarchical.all_reduce(self.link, recv, op, hosts, send=send)
         elif not self._direct.all_reduce(send, recv, op):
@@ -294,6 +325,7 @@ class TcpCommunicator(Communicator):
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._check("broadcast")
+        self._hello()
         if (
             _root_ok(root, self.size)
             and (hosts := self._layout(buf, buf, _nbytes(buf), None)) is not None
@@ -322,6 +354,7 @@ class TcpCommunicator(Communicator):
                 f"{getattr(send, 'shape', '')} and {getattr(recv, 'dtype', type(recv))} "
                 f"{getattr(recv, 'shape', '')}"
             )
+        self._hello()
         # Every rank makes the same choice: the direct path looks at the sizes and the
         # communicator's verdict, never at whether this rank has a send buffer.
         if (
@@ -338,14 +371,17 @@ class TcpCommunicator(Communicator):
 
     def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._check("reduce")
+        self._hello()
         algorithms.reduce(self.link, buf, root, op)
 
     def gather(self, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
         self._check("gather")
+        self._hello()
         algorithms.gather(self.link, send, recv, root)
 
     def scatter(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
         self._check("scatter")
+        self._hello()
         algorithms.scatter(self.link, send, recv, root)
 
     def barrier(self) -> None:

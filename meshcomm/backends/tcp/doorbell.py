@@ -40,7 +40,14 @@ from meshcomm.backends.tcp.shm_platform import (
 )
 from meshcomm.errors import CommError, InvalidArgument
 
-__all__ = ["BOARD_BYTES", "BOARD_OFFSET", "BOARD_SEQ_WORD", "DEFAULT_SPIN_US", "Doorbell"]
+__all__ = [
+    "BOARD_BYTES",
+    "BOARD_OFFSET",
+    "BOARD_SEQ_WORD",
+    "BOARD_STAMP_WORD",
+    "DEFAULT_SPIN_US",
+    "Doorbell",
+]
 
 #: Microseconds a waiter spins before sleeping, when it has a core to itself.
 DEFAULT_SPIN_US = 50.0
@@ -52,6 +59,9 @@ _B_MAGIC, _B_RANK, _B_PID, _B_NONCE, _B_SLEEPY = 1, 2, 3, 4, 8
 #: The owner's board (:mod:`~meshcomm.backends.tcp.board`): its sequence word (u64 index, on a
 #: cache line of its own), and two slots of ``BOARD_BYTES`` from byte ``BOARD_OFFSET``.
 BOARD_SEQ_WORD = 16
+#: The stamps of the owner's board calls, one per slot (u64 indices, on the sequence word's
+#: cache line): 0, or 1 + the call's stamp (:mod:`meshcomm._fingerprint`).
+BOARD_STAMP_WORD = 17
 BOARD_OFFSET = 4096
 BOARD_BYTES = (_BELL_SIZE - BOARD_OFFSET) // 2
 _FUTEX_WAIT = 0

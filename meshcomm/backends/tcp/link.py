@@ -24,6 +24,11 @@ class TcpLink:
         comm_id: the communicator's id (frames of other communicators never match).
         global_ranks: world rank of each communicator rank.
         rank: this process's communicator rank.
+
+    Attributes:
+        stamp: the stamp of the call in progress (:mod:`meshcomm._fingerprint`; the group
+            layer sets it before each collective when mismatch checks are on), or None: its
+            frames carry ``-2 - stamp`` as their tag and every receive compares it.
     """
 
     def __init__(
@@ -34,6 +39,7 @@ class TcpLink:
         self.global_ranks = tuple(global_ranks)
         self.rank = rank
         self.size = len(self.global_ranks)
+        self.stamp: int | None = None
 
     def exchange(
         self,
@@ -59,4 +65,6 @@ class TcpLink:
             raise InvalidArgument(
                 f"rank {self.rank}: exchange peers must be ranks in [0, {size}), got {bad}"
             )
-        self.transport.exchange(self.comm_id, LINK_TAG, gsends, grecvs)
+        stamp = self.stamp
+        tag = LINK_TAG if stamp is None else -2 - stamp
+        self.transport.exchange(self.comm_id, tag, gsends, grecvs)

@@ -20,12 +20,17 @@ from collections import deque
 import numpy as np
 
 from meshcomm.backends.tcp import wire
-from meshcomm.errors import InvalidArgument, PeerError, ProtocolError
+from meshcomm.errors import InvalidArgument, MismatchError, PeerError, ProtocolError
 
 __all__ = ["ANY_SOURCE", "LINK_TAG", "Matching", "as_bytes"]
 
-#: Tag of Link traffic (negative tags are internal; users get 0 and up).
+#: Tag of Link traffic (negative tags are internal; users get 0 and up). A link frame of a
+#: stamped call (mismatch checks, :mod:`meshcomm._fingerprint`) carries ``-2 - stamp``
+#: instead; frames are matched as LINK_TAG and the tag compared once matched.
 LINK_TAG = -1
+# Stamps carry the call's sequence number in their low bits (_fingerprint.SEQ_BITS).
+_SEQ_MASK = 0xFFFF
+_SEQ_HALF = 0x8000
 #: ``src`` of a receive that accepts any rank.
 ANY_SOURCE = -1
 
@@ -98,12 +103,14 @@ class Send:
 class Recv:
     """One posted receive: into ``dest`` (Link bytes), or a new array (``dest`` None)."""
 
-    __slots__ = ("array", "comm_id", "dest", "done", "source", "src", "tag")
+    __slots__ = ("array", "comm_id", "dest", "done", "source", "src", "tag", "want")
 
     def __init__(self, comm_id: int, src: int, tag: int, dest: memoryview | None) -> None:
         self.comm_id = comm_id
         self.src = src
-        self.tag = tag
+        # Stamped link receives match as LINK_TAG; the stamp is compared after matching.
+        self.tag = LINK_TAG if tag < LINK_TAG else tag
+        self.want = tag
         self.dest = dest
         self.done = False
         self.array: np.ndarray | None = None
@@ -135,6 +142,9 @@ class Matching:
     _unexpected: dict[tuple[int, int, int], deque[Message]]
     #: comm id -> how errors name that communicator's group (set by its communicator).
     labels: dict[int, str]
+    #: (comm id, link tag) of the stamped call in progress, or None: a frame of that
+    #: communicator that nobody waits for is checked against it when it arrives.
+    _stamped: tuple[int, int] | None = None
 
     def _label(self, comm_id: int) -> str:
         return self.labels.get(comm_id, "on the world" if comm_id == 0 else "on a sub-group")
@@ -192,12 +202,45 @@ class Matching:
                     f"rank {self.rank}: recv (tag {r.tag}) got a Link frame from rank {src}; "
                     "send/recv and collectives must not share a tag"
                 )
-        elif h.kind == wire.ARRAY or h.length != len(r.dest):
-            got = "an array (send)" if h.kind == wire.ARRAY else f"{h.length} bytes"
-            raise ProtocolError(
-                f"rank {self.rank}: expected {len(r.dest)} bytes from rank {src} on "
-                f"{self._label(r.comm_id)}, got {got}: ranks disagree on the operation"
-            )
+        else:
+            tag = h.tag
+            if tag != r.want and tag < LINK_TAG and r.want < LINK_TAG:  # both stamped
+                raise self._mismatch(r.comm_id, src, tag)
+            if h.kind == wire.ARRAY or h.length != len(r.dest):
+                got = "an array (send)" if h.kind == wire.ARRAY else f"{h.length} bytes"
+                raise ProtocolError(
+                    f"rank {self.rank}: expected {len(r.dest)} bytes from rank {src} "
+                    f"{self._label(r.comm_id)}, got {got}: the ranks disagree on the "
+                    "operation (MESHCOMM_DEBUG=DETAIL names both calls)"
+                )
+
+    def _mismatch(self, comm_id: int, src: int, tag: int) -> MismatchError:
+        """The error for a frame of ``src`` stamped ``tag`` that differs from this call's."""
+        return MismatchError(
+            f"rank {self.rank}: rank {src} called a different collective "
+            f"{self._label(comm_id)} than this rank",
+            peer=src,
+            theirs=-2 - tag,
+        )
+
+    def _stray(self, comm_id: int, src: int, tag: int) -> None:
+        """Raise if a stamped frame nobody waits for yet cannot belong to a later call of
+        the stamped call in progress: the same call number with another signature, or an
+        earlier one (its receiver finished that call without it). Frames of later calls
+        (a peer that is ahead) wait for their receive."""
+        current = self._stamped
+        if current is None or current[0] != comm_id or tag >= LINK_TAG or tag == current[1]:
+            return
+        ahead = ((-2 - tag) - (-2 - current[1])) & _SEQ_MASK
+        if ahead == 0 or ahead >= _SEQ_HALF:
+            raise self._mismatch(comm_id, src, tag)
+
+    def _scan_strays(self, comm_id: int) -> None:
+        """:meth:`_stray` for every frame of ``comm_id`` already waiting unreceived."""
+        for key, queue in self._unexpected.items():
+            if key[0] == comm_id and key[2] == LINK_TAG:
+                for msg in queue:
+                    self._stray(comm_id, key[1], msg.header.tag)
 
     @staticmethod
     def _deliver(r: Recv, msg: Message) -> None:
@@ -209,19 +252,20 @@ class Matching:
 
     def _target_for(self, h: wire.FrameHeader, src: int) -> tuple[Recv | Message, memoryview]:
         """The receive (or a new unexpected message) a DATA, RTS or ARRAY frame goes to."""
-        key = (h.comm_id, src, h.tag)
+        tag = h.tag
+        key = (h.comm_id, src, LINK_TAG if tag < LINK_TAG else tag)
         queue = self._posted.get(key)
         r = None
         if queue:
             r = queue.popleft()
             if not queue:
                 del self._posted[key]
-        else:
-            any_queue = self._posted_any.get((h.comm_id, h.tag))
+        elif tag >= 0:
+            any_queue = self._posted_any.get((h.comm_id, tag))
             if any_queue:
                 r = any_queue.popleft()
                 if not any_queue:
-                    del self._posted_any[(h.comm_id, h.tag)]
+                    del self._posted_any[(h.comm_id, tag)]
         if r is not None:
             self._check_match(r, h, src)
             r.source = src
@@ -229,6 +273,8 @@ class Matching:
                 return r, r.dest
             r.array = np.empty(h.shape, h.dtype)  # type: ignore[arg-type]
             return r, as_bytes(r.array, writable=True)
+        if tag < LINK_TAG:
+            self._stray(h.comm_id, src, tag)
         msg = Message(h, src)
         if h.kind == wire.ARRAY:
             msg.array = np.empty(h.shape, h.dtype)  # type: ignore[arg-type]

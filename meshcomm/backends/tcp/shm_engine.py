@@ -362,14 +362,14 @@ class ShmEngine(Connections):
             total = hsize + length
             if kind != wire.DATA or total > avail or pos + total > cap:
                 return
-            key = (comm_id, peer, tag)
+            key = (comm_id, peer, -1 if tag < -1 else tag)  # stamped link frames: LINK_TAG
             queue = posted.get(key)
             if not queue:
                 return
             r = queue[0]
             dest = r.dest
-            if dest is None or len(dest) != length or flags or meta or reserved:
-                return
+            if dest is None or len(dest) != length or flags or meta or reserved or tag != r.want:
+                return  # the decoder's path reports it (a stamp that differs: a mismatch)
             if marker != b"mc":
                 return
             queue.popleft()

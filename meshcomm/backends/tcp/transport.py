@@ -94,6 +94,7 @@ from meshcomm.errors import (
     CommTimeout,
     InvalidArgument,
     MeshCommError,
+    MismatchError,
     PeerError,
     ProtocolError,
     RendezvousError,
@@ -376,6 +377,14 @@ class Transport(BoardEngine):
                 self._run([], [], "exchange", comm_id)  # raises the reason
             self._npending = 0
             try:
+                if tag < LINK_TAG:  # a stamped call: frames nobody waits for are checked
+                    stamped = (comm_id, tag)
+                    if stamped != self._stamped:  # a call's first exchange: scan those here
+                        self._stamped = stamped
+                        if self._unexpected:
+                            self._scan_strays(comm_id)
+                else:
+                    self._stamped = None
                 rops = [Recv(comm_id, src, tag, buf) for src, buf in recvs]
                 for r in rops:
                     self._post_recv(r)
@@ -820,7 +829,9 @@ class Transport(BoardEngine):
         if how is _GOODBYE:
             # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
             reason = f"rank {peer} {how} (seen by rank {self.rank})"
-            self._publish_abort(AbortRecord(peer, reason))
+            current = self._swap_abort(AbortRecord(peer, reason))
+            if current is not None and current.mismatch:
+                raise MismatchError(current.reason)  # it left after the ranks disagreed
             blamed = peer
         else:
             reason, blamed = self._blame(peer, how)
@@ -861,6 +872,10 @@ class Transport(BoardEngine):
             The reason to report and the global rank to blame.
         """
         seen = f"{where}seen by rank {self.rank}"
+        record = self._read_abort()
+        if record is not None and record.mismatch:
+            # It left after the ranks disagreed on a call: that is the error, in words.
+            raise MismatchError(record.reason)
         why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
         if why is not None:
             # It failed and left: not a death, and (as for timeouts) no abort record; a
@@ -952,7 +967,16 @@ class Transport(BoardEngine):
         if raw is None:
             return
         record = AbortRecord.decode(raw, self.size)
+        if record.mismatch:
+            raise MismatchError(record.reason)  # every rank raises the same words
         raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", record.rank)
+
+    def publish_mismatch(self, reason: str) -> str:
+        """Publish a mismatch (both calls in words) as the abort record, so that every rank
+        of this transport raises it; return the mismatch to raise here: the first one
+        published (another rank may have seen the same mismatch first)."""
+        current = self._swap_abort(AbortRecord(None, reason, mismatch=True))
+        return current.reason if current is not None and current.mismatch else reason
 
 
 def _replay(exc: CommError) -> CommError:

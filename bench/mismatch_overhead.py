@@ -1,0 +1,95 @@
+"""What the default mismatch checks cost: a small all_reduce with stamps and without, side by side.
+
+Run under a launcher (two or more ranks)::
+
+    .venv/bin/meshrun --nproc-per-node 2 bench/mismatch_overhead.py [--iters 2000] [--repeats 7]
+    MESHCOMM_TRANSPORT=tcp .venv/bin/meshrun --nproc-per-node 4 bench/mismatch_overhead.py
+
+Under mpi (``meshrun --backend mpi``) the default is the first-call check: what differs per
+call is the direct path's look-up of the call's signature among the checked ones.
+
+Times (microseconds per call) a float32 ``ProcessGroup.all_reduce`` of ``--bytes`` bytes
+(default 8; the direct path; ``--op broadcast``: a broadcast from rank 0 instead, whose
+checks add a barrier of stamped one-byte frames) on two groups: the world (on one host: the
+shared-memory board) and a group of the same ranks made with ``subgroup`` (shared-memory
+rings, or sockets with ``MESHCOMM_TRANSPORT=tcp``). For each group, loops of ``--iters``
+calls alternate between the default checks (every call stamped,
+:mod:`meshcomm._fingerprint`) and none (what ``MESHCOMM_DEBUG=OFF`` makes: the group has no
+stamp holder and the link sends the plain tag), ``--repeats`` times each, in alternating
+order, after a barrier; rank 0 prints each median and the ratio default / OFF. The
+environment must leave the checks at their default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from meshcomm import world
+from meshcomm.group import ProcessGroup
+
+
+def _checks(group: ProcessGroup, state: tuple[Any, Any], on: bool) -> None:
+    """Turn the checks of ``group`` on (its stamp holder, or its set of checked signatures
+    on mpi, back) or off (as OFF makes it: neither)."""
+    holder, seen = state
+    group._stamper = holder if on else None
+    group._seen = seen if on else None
+    if not on and holder is not None:
+        holder.stamp = None  # the link then sends the plain tag, as under OFF
+
+
+def _loop(group: ProcessGroup, x: np.ndarray, iters: int, op: str) -> float:
+    call = group.all_reduce if op == "all_reduce" else group.broadcast
+    group.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call(x)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--bytes", type=int, default=8)
+    p.add_argument("--op", choices=["all_reduce", "broadcast"], default="all_reduce")
+    args = p.parse_args()
+
+    top = world.init()
+    sub = top.subgroup(list(top.ranks), "world/bench")
+    x = np.zeros(max(1, args.bytes // 4), np.float32)  # stays 0 however often it is reduced
+    rows = []
+    for name, group in (("world", top), ("subgroup", sub)):
+        holder = (group._stamper, group._seen)
+        if holder == (None, None):
+            raise SystemExit(f"{name}: no checks (MESHCOMM_DEBUG is set)")
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for on in (True, False):  # warm both: the direct path is learned, channels opened
+            _checks(group, holder, on)
+            _loop(group, x, max(1, args.iters // 10), args.op)
+        for r in range(args.repeats):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                _checks(group, holder, on)
+                times[on].append(_loop(group, x, args.iters, args.op))
+        _checks(group, holder, True)
+        on_us, off_us = statistics.median(times[True]), statistics.median(times[False])
+        comm: Any = group._comm
+        kinds = sorted(set(comm.transport.channels.values())) if comm.backend_name == "tcp" else []
+        if getattr(comm, "_board", False):
+            kinds = ["board"]
+        rows.append((name, ",".join(kinds), on_us, off_us))
+    if top.rank == 0:
+        print(f"{args.op} float32 {args.bytes} B, world {top.size}, {args.repeats} x {args.iters}")
+        print(f"{'group':<10} {'channels':<10} {'default us':>11} {'OFF us':>9} {'ratio':>7}")
+        for name, kinds, on_us, off_us in rows:
+            print(f"{name:<10} {kinds:<10} {on_us:>11.2f} {off_us:>9.2f} {on_us / off_us:>7.3f}")
+    world.shutdown()
+
+
+if __name__ == "__main__":
+    main()
