@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_SPIN_US",
     "Bell",
     "Doorbell",
+    "spin_us_from_env",
 ]
 
 #: Microseconds a waiter spins before sleeping, when it has a core to itself.
@@ -139,15 +140,31 @@ def _wait_seconds(timeout: Seconds) -> float:
     return seconds
 
 
-def _default_spin(local_size: int | None) -> float:
+def spin_us_from_env() -> float | None:
+    """``MESHCOMM_SHM_SPIN_US``: microseconds a waiter polls before sleeping; None: unset.
+
+    Raises:
+        InvalidArgument: it is not a number in [0, 1e6].
+
+    Example:
+        >>> spin_us_from_env() is None or spin_us_from_env() >= 0
+        True
+    """
     raw = os.environ.get("MESHCOMM_SHM_SPIN_US", "").strip()
-    if raw:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not 0 <= value <= 1e6:
-            raise InvalidArgument(f"MESHCOMM_SHM_SPIN_US must be in [0, 1e6], got {raw!r}")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        raise InvalidArgument(f"MESHCOMM_SHM_SPIN_US must be in [0, 1e6], got {raw!r}")
+    return value
+
+
+def _default_spin(local_size: int | None) -> float:
+    value = spin_us_from_env()
+    if value is not None:
         return value
     if local_size is None or local_size > len(os.sched_getaffinity(0)):
         return 0.0  # more ranks than cores: a spinning waiter steals the core its peer needs

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from meshcomm.backends.tcp.doorbell import Doorbell
-from meshcomm.errors import CommTimeout, InvalidArgument
+from meshcomm.backends.tcp.doorbell import Doorbell, spin_us_from_env
+from meshcomm.errors import CommTimeout
 
 __all__ = [
     "ABORT_CHECK_INTERVAL",
@@ -81,14 +81,8 @@ def spin_policy(local_size: int) -> float:
         >>> spin_policy(1) >= 0
         True
     """
-    raw = os.environ.get("MESHCOMM_SHM_SPIN_US", "").strip()
-    if raw:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not 0 <= value <= 1e6:
-            raise InvalidArgument(f"MESHCOMM_SHM_SPIN_US must be in [0, 1e6], got {raw!r}")
+    value = spin_us_from_env()
+    if value is not None:
         return value * 1e-6
     return (SPIN_SHARED_US if shares_cores(local_size) else SPIN_FIT_US) * 1e-6
 
@@ -255,12 +249,12 @@ class Waiter:
         start = last_progress = clock()
         mixed = MIXED_MIN
         spun = False
-        while True:
+        while not done():
             bell = rings.bell
             if bell is not None:
                 poll()
-            if done():
-                return
+                if done():
+                    return
             now = clock()
             if progress.moved:
                 progress.moved = False
