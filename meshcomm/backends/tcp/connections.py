@@ -149,7 +149,7 @@ class Connections:
         rings: the ring carrier (pairs agreed here are attached there).
         faults: the transport's failure path.
         sendq: the transport's send queues, by peer (shared with the ring carrier).
-        host_key: this host's key when shared memory is wanted, else ``""``.
+        host_key: this host's key when shared memory is wanted, else None.
 
     Attributes:
         conns: open connections, by peer (a shared-memory peer's socket too).
@@ -174,7 +174,7 @@ class Connections:
         rings: ShmEngine,
         faults: Faults,
         sendq: dict[int, deque[Send]],
-        host_key: str,
+        host_key: str | None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -196,8 +196,8 @@ class Connections:
         self._rings = rings
         self._faults = faults
         self._sendq = sendq
-        self._shm_wanted = bool(host_key)
-        self._host_key = host_key
+        self._shm_wanted = host_key is not None
+        self._host_key = host_key or ""
         self._sel = selectors.DefaultSelector()
         self._sel.register(links.wake, selectors.EVENT_READ, None)  # data None: parked
 
@@ -527,6 +527,11 @@ class Connections:
         self.tcp[peer] = ch
         if self._sendq.get(peer):
             self._flush(ch)
+
+    @property
+    def screening(self) -> int:
+        """Connections the listener thread is screening now."""
+        return self._links.screening
 
     # -- the carrier -------------------------------------------------------------------------
     def post(self, s: Send) -> None:

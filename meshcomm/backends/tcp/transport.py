@@ -213,7 +213,7 @@ class Transport:
             rings,
             faults,
             self._sendq,
-            host_key() if self._shm_wanted else "",
+            host_key() if self._shm_wanted else None,
         )
         self.shm_fallbacks = sockets.shm_fallbacks
         self._waiter = Waiter(
@@ -331,6 +331,11 @@ class Transport:
     def shm_peers(self) -> dict[int, ShmPeer]:
         """The shared-memory peers, by global rank (for diagnostics)."""
         return dict(self._shm)
+
+    @property
+    def screening(self) -> int:
+        """Connections the listener thread is screening now (for diagnostics)."""
+        return self._sockets.screening
 
     @property
     def authenticated(self) -> bool:
