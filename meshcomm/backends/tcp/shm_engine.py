@@ -151,6 +151,19 @@ class ShmEngine:
         queue.append(s)
         self._progress.pending += 1
 
+    def post_frame(self, sp: ShmPeer, frame: bytes) -> Send | None:
+        """Write a small frame (header and payload in one buffer) into ``sp``'s ring, which
+        has nothing queued before it; None when all of it went in, else its pending rest."""
+        done = sp.tx.push(frame)  # type: ignore[arg-type]  # bytes work too; no view to make
+        if done:
+            self._progress.moved = True
+            if done == len(frame):
+                return None
+        s = Send(sp.peer, [memoryview(frame)[done:]], len(frame) - done)
+        self._sendq[sp.peer] = deque([s])
+        self._progress.pending += 1
+        return s
+
     def pending(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> bool:
         """Whether an operation of the call waits on a ring (data or a FIN)."""
         shm = self.peers

@@ -80,7 +80,7 @@ from meshcomm.backends.tcp.matching import (
 from meshcomm.backends.tcp.peer_memory import PeerMemory
 from meshcomm.backends.tcp.shm import host_key, shm_enabled, sweep
 from meshcomm.backends.tcp.shm_budget import budget_bytes
-from meshcomm.backends.tcp.shm_engine import CMA_MIN, ShmEngine, ShmPeer
+from meshcomm.backends.tcp.shm_engine import CMA_MIN, Carrier, ShmEngine, ShmPeer
 from meshcomm.backends.tcp.waiting import Progress, Spinner, Waiter, shares_cores, spin_policy
 from meshcomm.errors import (
     CommError,
@@ -216,6 +216,8 @@ class Transport:
             host_key() if self._shm_wanted else None,
         )
         self.shm_fallbacks = sockets.shm_fallbacks
+        # Both kinds of channel behind one interface (each checked against it here).
+        self._carriers: tuple[Carrier, Carrier] = (rings, sockets)
         self._waiter = Waiter(
             rank,
             timeout,
@@ -410,15 +412,7 @@ class Transport:
             # write is much cheaper than two.
             frame = wire.pack_data_header(comm_id, tag, n) + buf
             if sp is not None and not self._sendq.get(peer):
-                done = sp.tx.push(frame)  # type: ignore[arg-type]
-                if done:
-                    self._progress.moved = True
-                    if done == len(frame):
-                        return None
-                s = Send(peer, [memoryview(frame)[done:]], len(frame) - done)
-                self._sendq[peer] = deque([s])
-                self._progress.pending += 1
-                return s
+                return self._rings.post_frame(sp, frame)
             s = Send(peer, [frame], len(frame))
         elif sp is not None and sp.cma and n >= CMA_MIN:
             rts = wire.pack_rts_header(comm_id, tag, n, cma.address_of(buf))
@@ -509,8 +503,8 @@ class Transport:
                 return
             self._closed = True
             with contextlib.suppress(CommError):
-                self._rings.flush_control()
-                self._sockets.flush_control()
+                for carrier in self._carriers:
+                    carrier.flush_control()
             self._rings.close()
             self._sockets.close(goodbye=self._failure is None)
             self._matching.unexpected.clear()
@@ -610,10 +604,8 @@ class Transport:
         peer = s.peer
         if peer == self.rank:
             self._send_to_self(s)
-        elif peer in self._shm:
-            self._rings.post(s)
         else:
-            self._sockets.post(s)
+            self._carriers[peer not in self._shm].post(s)  # rings, else sockets
 
     def _send_to_self(self, s: Send) -> None:
         data = b"".join(s.bufs)
