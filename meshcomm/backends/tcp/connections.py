@@ -56,7 +56,7 @@ from meshcomm.backends.tcp.listener import LinkListener
 from meshcomm.backends.tcp.matching import CONTROL, PLAIN, Matching, Recv, Send
 from meshcomm.backends.tcp.shm import ShmHandshake, ShmPair
 from meshcomm.backends.tcp.shm_engine import ShmEngine
-from meshcomm.backends.tcp.waiting import ABORT_CHECK_INTERVAL, Progress
+from meshcomm.backends.tcp.waiting import ABORT_CHECK_INTERVAL, CONNECT_ATTEMPT, Progress
 from meshcomm.errors import (
     CommError,
     CommTimeout,
@@ -73,8 +73,6 @@ _CONNECTING = "connecting"  # we connected and sent HELLO; waiting for ACCEPT/RE
 _ACCEPTING = "accepting"  # accepted; waiting for the peer's HELLO
 _OPEN = "open"
 _CLOSED = "closed"
-# One connect attempt's limit (a dead address fails fast; the loop retries until the timeout).
-_CONNECT_ATTEMPT_TIMEOUT = 2.0
 
 
 class Channel:
@@ -226,7 +224,7 @@ class Connections:
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:
                 tune(sock)
-                sock.settimeout(max(0.001, min(remaining, _CONNECT_ATTEMPT_TIMEOUT)))
+                sock.settimeout(max(0.001, min(remaining, CONNECT_ATTEMPT)))
                 sock.connect((host, port))
                 break
             except OSError as exc:

@@ -12,8 +12,8 @@ ends in :meth:`Waiter.until`: drive the channels until a *done?* predicate holds
   sockets every ``SOCKET_POLL`` (EOF of a dead peer, new connections), poll the rings for the
   spin budget (:class:`Spinner`), then arm the futex doorbell, look once more, and sleep on it.
 
-These are the only timing constants of the transport's waiting; the board and the ring
-engine use this loop, each with its own predicate.
+These are the only timing constants of the transport's waiting (and of its connect attempts);
+every call of the engine and the board use this loop, each with its own predicate.
 
 Example:
     >>> spin_policy(1) >= 0
@@ -32,6 +32,7 @@ from meshcomm.errors import CommTimeout
 
 __all__ = [
     "ABORT_CHECK_INTERVAL",
+    "CONNECT_ATTEMPT",
     "MIXED_IDLE",
     "MIXED_MAX",
     "MIXED_MIN",
@@ -47,8 +48,11 @@ __all__ = [
     "spin_policy",
 ]
 
-#: Seconds between looks at the store's abort record while a call waits.
+#: Seconds between looks at the store's abort record while a call waits (or connects).
 ABORT_CHECK_INTERVAL = 1.0
+#: Seconds one connect attempt may take (a dead address fails fast; attempts repeat, with
+#: a growing pause, until the transport's timeout).
+CONNECT_ATTEMPT = 2.0
 #: Sleeping on the doorbell, look at the sockets at least this often (seconds).
 SOCKET_POLL = 0.01
 #: Sleeping in select with shared-memory operations pending: poll the rings this often.
