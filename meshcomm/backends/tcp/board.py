@@ -268,4 +268,4 @@ class BoardAllReduce:
             late = [members[j] for j in missing]
             return f"all_reduce on the shared-memory board; still waiting for ranks {late}"
 
-        self._waiter.until(arrived, stalled, poll_always=False)
+        self._waiter.until(arrived, stalled, poll_always=False, respin=False)

@@ -258,9 +258,12 @@ class ShmEngine:
 
     def poll_moved(self) -> None:
         """:meth:`poll`, only when a ring's counters moved since the last look (one word
-        per ring: the cheap look of a spinning waiter)."""
+        per ring: the cheap look of a spinning waiter): a peer wrote to us, or read from
+        us while sends to it wait for room (a sender's view of the reader's counter is
+        refreshed only by writing, so it stays "moved" once the peer read our last bytes)."""
+        sendq = self._sendq
         for sp in self.peer_list:
-            if sp.rx.moved() or sp.tx.moved():
+            if sp.rx.moved() or (sp.tx.moved() and sendq.get(sp.peer)):
                 self.poll()
                 return
 

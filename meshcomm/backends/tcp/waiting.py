@@ -227,6 +227,7 @@ class Waiter:
         stalled: Callable[[], str],
         *,
         poll_always: bool = True,
+        respin: bool = True,
         needs_socket: Callable[[], bool] | None = None,
         rings_pending: Callable[[], bool] | None = None,
     ) -> None:
@@ -237,6 +238,11 @@ class Waiter:
             stalled: what the call was doing, for the timeout's message.
             poll_always: poll the rings every round (the engine's calls), or only when a
                 ring's counters moved (the board, which reads its own words).
+            respin: poll again after each progress, and let what polling found adapt the
+                spin budget (the engine's calls, made of many frames); False: one spin at
+                the budget as it stands, then sleep until done (the board: a single round,
+                where a poller that spins again for each member that arrives takes the core
+                from the members still to come).
             needs_socket: whether some pending operation waits on a socket (None: never).
             rings_pending: whether some pending operation waits on a ring.
 
@@ -253,18 +259,18 @@ class Waiter:
         start = last_progress = clock()
         mixed = MIXED_MIN
         spun = False
-        while not done():
+        while True:
             bell = rings.bell
             if bell is not None:
                 poll()
-                if done():
-                    return
+            if done():
+                return
             now = clock()
             if progress.moved:
                 progress.moved = False
                 last_progress = now
                 mixed = MIXED_MIN
-                spun = False  # poll again before the next sleep
+                spun = spun and not respin  # poll again before the next sleep
             idle = now - last_progress
             if idle >= timeout:
                 raise CommTimeout(f"rank {self.rank}: no progress for {timeout:g} s in {stalled()}")
@@ -286,7 +292,7 @@ class Waiter:
                 select(0)
             elif not spun and self.spinner.bound:
                 spun = True
-                self._spin(now, done)
+                self._spin(now, done, respin)
             else:
                 # Everything pending is on shared memory: arm, look once more, sleep.
                 bell.arm()
@@ -296,8 +302,9 @@ class Waiter:
                     continue
                 bell.wait(min(wait, SOCKET_POLL))
 
-    def _spin(self, now: float, done: Callable[[], bool]) -> None:
-        """Poll the rings until something moved, the call is done, or the budget is spent.
+    def _spin(self, now: float, done: Callable[[], bool], adapt: bool) -> None:
+        """Poll the rings until the call is done or the budget is spent; with ``adapt``,
+        also until something moved, and grow or shrink the budget by what the polls found.
 
         Each round looks at one counter per ring and reads only when one moved, then yields
         the core, so that a round costs a few microseconds and a rank with work on this core
@@ -312,8 +319,9 @@ class Waiter:
         hit = False
         while clock() < until:
             poll_moved()
-            if progress.moved or done():
+            if (adapt and progress.moved) or done():
                 hit = True
                 break
             pause()
-        spinner.update(hit, now)
+        if adapt:
+            spinner.update(hit, now)
