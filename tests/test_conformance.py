@@ -104,7 +104,7 @@ def test_conformance(nprocs: int, transport: str | None) -> None:
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4, 8])
 def test_conformance_direct_path_at_every_size(nprocs: int) -> None:
-    """The same-host direct collectives (meshcomm.backends.tcp.direct) for every size from 1 byte,
+    """The CMA collectives (meshcomm.backends.tcp.cma_collectives) for every size from 1 byte,
     so that every dtype, op, layout and group of the suite goes through them."""
     env = {"MESHCOMM_SHM_DIRECT_MIN": "1"}
     results = run_ranks(conformance, nprocs, env=env, timeout=TIMEOUT, args=(nprocs != 4,))

@@ -323,20 +323,20 @@ def test_a_frame_nobody_waits_for_is_judged_by_its_call_number() -> None:
     is a peer that is ahead (kept); the same call number with another signature, or an
     earlier call's, is a mismatch."""
     from meshcomm.backends.tcp.matching import Matching
+    from meshcomm.backends.tcp.waiting import Progress
 
-    engine = Matching()
-    engine.rank = 0
-    engine.labels = {7: "over 'tp'"}
+    engine = Matching(0, Progress())
+    engine.labels[7] = "over 'tp'"
     mine = _fingerprint.stamp(1234, 10)
-    engine._stamped = (7, -2 - mine)
+    engine.stamped = (7, -2 - mine)
 
     def tag(sig: int, seq: int) -> int:
         return -2 - _fingerprint.stamp(sig, seq)
 
-    engine._stray(7, 1, tag(1234, 10))  # the same call
-    engine._stray(7, 1, tag(999, 11))  # a later call: the peer is ahead
-    engine._stray(8, 1, tag(999, 10))  # another communicator's
-    engine._stray(7, 1, -1)  # unstamped (MESHCOMM_DEBUG=OFF there)
+    engine.stray(7, 1, tag(1234, 10))  # the same call
+    engine.stray(7, 1, tag(999, 11))  # a later call: the peer is ahead
+    engine.stray(8, 1, tag(999, 10))  # another communicator's
+    engine.stray(7, 1, -1)  # unstamped (MESHCOMM_DEBUG=OFF there)
     for sig, seq in ((999, 10), (1234, 9)):  # another signature; an earlier call
         with pytest.raises(MismatchError, match="rank 1 called a different collective over 'tp'"):
-            engine._stray(7, 1, tag(sig, seq))
+            engine.stray(7, 1, tag(sig, seq))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from spawned import run_spawned
 
-from meshcomm.backends.tcp import TcpCommunicator, cma, shm, shm_engine
+from meshcomm.backends.tcp import TcpCommunicator, cma, shm, waiting
 from meshcomm.backends.tcp.transport import Transport, channel_kind
 from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
@@ -139,7 +139,7 @@ def _report(comm: TcpCommunicator) -> dict[str, Any]:
     report = {
         "channels": t.channels,
         "fallbacks": t.shm_fallbacks,
-        "single_copy": sorted(p for p, sp in t._shm.items() if sp.cma),
+        "single_copy": sorted(p for p, sp in t.shm_peers.items() if sp.cma),
         "names_during_run": leftovers(t.job),
     }
     comm.barrier()  # nobody closes (and says goodbye) before everyone has looked
@@ -370,20 +370,20 @@ def test_ranks_that_disagree_on_the_transport_use_sockets() -> None:
 def test_spin_budget_adapts_only_with_a_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MESHCOMM_SHM_SPIN_US", raising=False)
     cores = len(os.sched_getaffinity(0))
-    fit, shared = shm_engine.spin_policy(1), shm_engine.spin_policy(cores + 1)
-    assert (fit, shared) == (shm_engine.SPIN_FIT_US * 1e-6, shm_engine.SPIN_SHARED_US * 1e-6)
-    spinner = shm_engine.Spinner(fit, shared=False)
+    fit, shared = waiting.spin_policy(1), waiting.spin_policy(cores + 1)
+    assert (fit, shared) == (waiting.SPIN_FIT_US * 1e-6, waiting.SPIN_SHARED_US * 1e-6)
+    spinner = waiting.Spinner(fit, shared=False)
     for _ in range(20):
         spinner.update(False, 0.0)  # polls that find nothing: the peer is not running
-    assert spinner.budget == shm_engine.SPIN_MIN_US * 1e-6
+    assert spinner.budget == waiting.SPIN_MIN_US * 1e-6
     for _ in range(20):
         spinner.update(True, 0.0)
     assert spinner.budget == spinner.limit(0.0) <= fit
-    fixed = shm_engine.Spinner(shared, shared=True)
+    fixed = waiting.Spinner(shared, shared=True)
     fixed.update(False, 0.0)
     assert fixed.budget == shared  # sharing cores: a poller yields, no need to shrink
     monkeypatch.setenv("MESHCOMM_SHM_SPIN_US", "0")
-    assert shm_engine.spin_policy(1) == 0.0
+    assert waiting.spin_policy(1) == 0.0
     for bad in ("fast", "-1", "2e6"):
         monkeypatch.setenv("MESHCOMM_SHM_SPIN_US", bad)
         with pytest.raises(InvalidArgument, match="MESHCOMM_SHM_SPIN_US"):

@@ -435,7 +435,7 @@ def test_hostile_bytes_never_stop_the_listener() -> None:
         array, source = zero.recv_array(0, 9, 1)
         sender.join(TIMEOUT)
         assert source == 1 and array.tolist() == [0, 1, 2, 3]
-        assert zero.failure is None and zero._links.screening <= 128
+        assert zero.failure is None and zero.screening <= 128
     finally:
         for s in kept:
             s.close()

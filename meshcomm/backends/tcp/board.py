@@ -1,8 +1,8 @@
-"""Small all_reduces among same-host ranks through a board of slots (a transport mixin).
+"""Small all_reduces among same-host ranks through a board of slots.
 
-All_reduces of the world communicator below the direct path's threshold
-(:mod:`~meshcomm.backends.tcp.direct`, 256 KiB) and up to :func:`board_max` bytes (256 KiB),
-when every member is a shared-memory peer, skip the rings. Each process's
+All_reduces of the world communicator below the CMA collectives' threshold
+(:mod:`~meshcomm.backends.tcp.cma_collectives`, 256 KiB) and up to :func:`board_max` bytes
+(256 KiB), when every member is a shared-memory peer, skip the rings. Each process's
 doorbell page (:mod:`~meshcomm.backends.tcp.doorbell`), which every same-host peer already
 maps, carries a **board**: a sequence word and two slots of ``BOARD_BYTES``. Call ``k`` on
 rank ``r``:
@@ -25,16 +25,17 @@ that writes slot ``k % 2`` for call ``k`` has seen every member's ``k - 1``, so 
 has finished reading call ``k - 2``; a member that is already at ``k + 1`` writes the other
 slot.
 
-Waiting polls the sequence words, giving the core away between polls (``sched_yield``) for the
-engine's spin budget, then sleeps on the doorbell, as the ring engine does, and keeps the rings
-and sockets moving meanwhile: a peer's EOF raises :class:`~meshcomm.errors.PeerError` naming
+Waiting is the transport's one wait loop (:class:`~meshcomm.backends.tcp.waiting.Waiter`)
+with "every member's sequence word is ``>= k``" as its predicate: it polls the words, giving
+the core away between polls for the spin budget, then sleeps on the doorbell, and keeps the
+rings and sockets moving meanwhile: a peer's EOF raises :class:`~meshcomm.errors.PeerError` naming
 it, no new arrival for the timeout raises :class:`~meshcomm.errors.CommTimeout`, and an abort
 record of another rank is seen within about a second.
 
 Every member must take this path for the same calls, so the choice depends only on the size
 (the same on every rank) and on a verdict agreed once, on the first call that could use it
-(:meth:`BoardEngine.board_agree`). Only the world communicator uses the board (one per
-process); sub-communicators run the algorithms.
+(the communicator asks :meth:`BoardAllReduce.local_ok` of every member). Only the world
+communicator uses the board (one per process); sub-communicators run the algorithms.
 
 Knob: ``MESHCOMM_SHM_BOARD_MAX`` (bytes, at most ``BOARD_BYTES``; ``0``: never), read once at
 import; set it alike on every rank.
@@ -43,8 +44,6 @@ import; set it alike on every rank.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,15 +54,16 @@ from meshcomm.backends.tcp.doorbell import (
     BOARD_OFFSET,
     BOARD_SEQ_WORD,
     BOARD_STAMP_WORD,
-    _Bell,
 )
-from meshcomm.backends.tcp.matching import Recv, Send
+from meshcomm.backends.tcp.faults import Faults
+from meshcomm.backends.tcp.matching import Matching
 from meshcomm.backends.tcp.shm_engine import ShmEngine
-from meshcomm.backends.tcp.shm_platform import _Mapping
-from meshcomm.errors import CommError, CommTimeout, InvalidArgument
+from meshcomm.backends.tcp.shm_platform import SharedMapping
+from meshcomm.backends.tcp.waiting import Progress, Waiter
+from meshcomm.errors import CommError, InvalidArgument
 from meshcomm.reduction import ReduceOp
 
-__all__ = ["BOARD_BYTES", "Board", "BoardEngine", "board_max"]
+__all__ = ["BOARD_BYTES", "Board", "BoardAllReduce", "board_max"]
 
 
 def _env_max() -> int:
@@ -103,7 +103,9 @@ class Board:
         seq: the number of board calls so far (the same on every member).
     """
 
-    def __init__(self, members: Sequence[int], rank: int, mappings: Sequence[_Mapping]) -> None:
+    def __init__(
+        self, members: Sequence[int], rank: int, mappings: Sequence[SharedMapping]
+    ) -> None:
         self.members = tuple(members)
         self.rank = rank
         self.seq = 0
@@ -124,62 +126,67 @@ class Board:
         self.seq = int(self.seqs[rank][0])  # 0 for a new doorbell; the same on all members
 
 
-class BoardEngine(ShmEngine):
-    """The board all_reduce of the transport (a mixin; see the module docstring)."""
+class BoardAllReduce:
+    """The board all_reduce of one transport (see the module docstring).
 
-    _board: Board | None
-    _lock: threading.Lock
-    _failure: CommError | None
-    _closed: bool
-    _gone: dict[int, str]
-    _last_socket_poll: float
-    _last_abort_check: float
-    timeout: float
+    Args:
+        rank: this process's global rank.
+        rings: the ring engine (the doorbell, which peers share memory).
+        matching: the stamps of the mismatch checks.
+        faults: the failure path (members gone).
+        progress: the transport's counters.
+        waiter: the transport's wait loop.
+    """
 
-    def _select(self, timeout: float) -> None:
-        raise NotImplementedError  # the transport's
-
-    def _check_abort(self) -> None:
-        raise NotImplementedError
-
-    def _run(self, sends: list[Send], recvs: list[Recv], what: str, comm_id: int) -> None:
-        raise NotImplementedError
-
-    def _fail(self, exc: BaseException, what: str) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        rank: int,
+        rings: ShmEngine,
+        matching: Matching,
+        faults: Faults,
+        progress: Progress,
+        waiter: Waiter,
+    ) -> None:
+        self.rank = rank
+        self.board: Board | None = None
+        self._rings = rings
+        self._matching = matching
+        self._faults = faults
+        self._progress = progress
+        self._waiter = waiter
 
     # -- agreement --------------------------------------------------------------------------
-    def board_local_ok(self, members: Sequence[int]) -> bool:
+    def local_ok(self, members: Sequence[int]) -> bool:
         """Whether this process could run board calls among ``members`` (global ranks):
         every other member is a shared-memory peer whose doorbell we map, no other
         communicator owns this process's board, and the platform orders plain loads and
         stores (x86-64) and has a fence."""
-        bell = self._bell
-        if bell is None or self._board is not None:
+        bell = self._rings.doorbell
+        if bell is None or self.board is not None:
             return False
         if not bell.plain_memory:
             return False
-        shm = self._shm
+        shm = self._rings.peers
         return all(g == self.rank or (g in shm and bell.peer_bell(g) is not None) for g in members)
 
-    def board_open(self, members: Sequence[int], rank: int) -> Board:
-        """Map the board of every member (after every member said :meth:`board_local_ok`)."""
-        bell = self._bell
-        if bell is None:  # pragma: no cover - board_local_ok said there is one
+    def open(self, members: Sequence[int], rank: int) -> Board:
+        """Map the board of every member (after every member said :meth:`local_ok`)."""
+        bell = self._rings.doorbell
+        if bell is None:  # pragma: no cover - local_ok said there is one
             raise CommError(f"rank {self.rank}: no doorbell to hold a board")
         bells = [bell.own_bell() if g == self.rank else bell.peer_bell(g) for g in members]
         mappings = [b.mapping for b in bells if b is not None]
-        if len(mappings) != len(bells):  # pragma: no cover - board_local_ok said they exist
+        if len(mappings) != len(bells):  # pragma: no cover - local_ok said they exist
             raise CommError(f"rank {self.rank}: a member's doorbell is not mapped")
-        self._board = Board(members, rank, mappings)
-        return self._board
+        self.board = Board(members, rank, mappings)
+        return self.board
 
     # -- the call ---------------------------------------------------------------------------
-    def board_all_reduce(
-        self, send: np.ndarray, recv: np.ndarray, op: ReduceOp, stamp: int | None = None
+    def run(
+        self, board: Board, send: np.ndarray, recv: np.ndarray, op: ReduceOp, stamp: int | None
     ) -> None:
         """Reduce ``send`` of every member into ``recv`` (flat, same dtype and size, at most
-        ``BOARD_BYTES``; ``send`` may be ``recv``).
+        ``BOARD_BYTES``; ``send`` may be ``recv``); the transport holds its lock.
 
         ``stamp``: the call's stamp (:mod:`meshcomm._fingerprint`), or None. It goes next
         to the contribution; every member compares every member's after the wait, and a
@@ -191,38 +198,19 @@ class BoardEngine(ShmEngine):
             CommTimeout: no member arrived for the timeout.
             PeerError: a member died or closed (names its global rank).
         """
-        if not self._lock.acquire(timeout=self.timeout):
-            raise CommTimeout(
-                f"rank {self.rank}: all_reduce waited {self.timeout:g} s for another thread's "
-                "operation on this transport"
-            )
-        try:
-            board = self._board
-            if self._failure is not None or self._closed or board is None:
-                self._run([], [], "all_reduce", 0)  # raises the reason
-                raise CommError(f"rank {self.rank}: all_reduce: no board")  # pragma: no cover
-            self._npending = 0
-            try:
-                if stamp is None:
-                    self._stamped = None
-                    self._board_run(board, send, recv, op, 0)
-                else:
-                    self._stamped = (0, -2 - stamp)  # the world's communicator id
-                    if self._unexpected:
-                        self._scan_strays(0)
-                    self._board_run(board, send, recv, op, stamp + 1)
-            except BaseException as exc:
-                self._fail(exc, "all_reduce")
-                raise
-        finally:
-            self._lock.release()
-
-    def _board_run(
-        self, board: Board, send: np.ndarray, recv: np.ndarray, op: ReduceOp, mark: int
-    ) -> None:
+        matching = self._matching
+        if stamp is None:
+            matching.stamped = None
+            mark = 0
+        else:
+            matching.stamped = (0, -2 - stamp)  # the world's communicator id
+            if matching.unexpected:
+                matching.scan_strays(0)
+            mark = stamp + 1
+        gone = self._faults.gone
         for g in board.members:
-            if g in self._gone:
-                raise self._gone_error(g, "all_reduce with")
+            if g in gone:
+                raise self._faults.gone_error(g, "all_reduce with")
         k = board.seq + 1
         parity = k & 1
         me = board.rank
@@ -231,21 +219,21 @@ class BoardEngine(ShmEngine):
         board.stamps[me][parity] = mark
         board.seqs[me][0] = k  # publishes the bytes above (TSO: stores stay in order)
         board.seq = k
-        bell = self._bell
+        bell = self._rings.doorbell
         assert bell is not None  # a board exists only with a doorbell
         bell.own_bell().fence()  # our word before the loads of the peers' flags (Dekker)
         for g in board.members:
             if g != self.rank:
-                pb: _Bell | None = bell.peer_bell(g)
+                pb = bell.peer_bell(g)
                 if pb is not None and pb.armed():
                     pb.ring()
-        self._board_wait(board, k)
+        self._wait(board, k)
         if mark:
             stamps = board.stamps
             for j in board.others:
                 theirs = stamps[j][parity]
                 if theirs != mark and theirs:
-                    raise self._mismatch(0, board.members[j], -2 - (theirs - 1))
+                    raise matching.mismatch(0, board.members[j], -2 - (theirs - 1))
         dtype = recv.dtype
         slots = board.slots
         combine_into(
@@ -254,70 +242,30 @@ class BoardEngine(ShmEngine):
         for j in range(2, len(board.members)):
             combine_into(op, recv, slots[j][parity][:nbytes].view(dtype), recv)
 
-    def _board_missing(self, board: Board, k: int, missing: list[int]) -> list[int]:
+    def _wait(self, board: Board, k: int) -> None:
         seqs = board.seqs
-        return [j for j in missing if seqs[j][0] < k]
-
-    def _board_wait(self, board: Board, k: int) -> None:
-        missing = self._board_missing(board, k, list(range(len(board.members))))
+        missing = [j for j in range(len(board.members)) if seqs[j][0] < k]
         if not missing:
             return
-        clock = time.monotonic
-        pause = os.sched_yield
-        timeout = self.timeout
-        start = last_progress = clock()
-        spinner = self._spinner
-        spin_until = start + min(spinner.budget, spinner.limit(start))
-        bell = self._bell
-        assert bell is not None
-        shm_list = self._shm_list
         members = board.members
-        while True:
-            now = clock()
-            if self._progressed:
-                self._progressed = False
-                last_progress = now
-            idle = now - last_progress
-            if idle >= timeout:
-                late = [members[j] for j in missing]
-                raise CommTimeout(
-                    f"rank {self.rank}: no progress for {timeout:g} s in all_reduce on the "
-                    f"shared-memory board; still waiting for ranks {late}"
-                )
-            if now - self._last_socket_poll >= _SOCKET_POLL:
-                self._last_socket_poll = now
-                self._select(0)
-                for j in missing:
-                    if members[j] in self._gone:
-                        raise self._gone_error(members[j], "wait for")
-            since_check = now - max(self._last_abort_check, start)
-            if since_check >= _ABORT_CHECK_INTERVAL:
-                self._last_abort_check = now
-                self._check_abort()
-                since_check = 0.0
-            for sp in shm_list:
-                if sp.rx.moved() or sp.tx.moved():
-                    self._poll_shm()  # others' frames keep moving while we wait
-                    break
-            if now < spin_until:
-                pause()
-            else:
-                bell.arm()
-                self._poll_shm()  # marks the rings we wait on, so their writers ring us
-                still = self._board_missing(board, k, missing)
-                if len(still) == len(missing) and not self._progressed:
-                    wait = min(timeout - idle, _ABORT_CHECK_INTERVAL - since_check)
-                    bell.wait(max(0.0, min(wait, _SOCKET_POLL)))
-                else:
-                    bell.disarm()
-            still = self._board_missing(board, k, missing)
+        gone = self._faults.gone
+        progress = self._progress
+
+        def arrived() -> bool:
+            nonlocal missing
+            still = [j for j in missing if seqs[j][0] < k]
             if not still:
-                return
+                return True
             if len(still) < len(missing):
-                self._progressed = True
+                progress.moved = True  # a member arrived: progress
                 missing = still
+            for j in still:
+                if members[j] in gone:
+                    raise self._faults.gone_error(members[j], "wait for")
+            return False
 
+        def stalled() -> str:
+            late = [members[j] for j in missing]
+            return f"all_reduce on the shared-memory board; still waiting for ranks {late}"
 
-# The transport's intervals (kept equal to its own).
-_SOCKET_POLL = 0.01
-_ABORT_CHECK_INTERVAL = 1.0
+        self._waiter.until(arrived, stalled, poll_always=False, respin=False)

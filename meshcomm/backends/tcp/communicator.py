@@ -34,7 +34,7 @@ from meshcomm.backends.algorithms.hierarchical import Layout
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.tcp import wire
 from meshcomm.backends.tcp.board import board_max
-from meshcomm.backends.tcp.direct import Direct, _flat, _op_ok
+from meshcomm.backends.tcp.cma_collectives import CmaCollectives, flat_vector, op_allowed
 from meshcomm.backends.tcp.hosts import HostView
 from meshcomm.backends.tcp.link import TcpLink
 from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
@@ -102,7 +102,7 @@ class TcpCommunicator(Communicator):
         self._store = store
         self.comm_id = comm_id
         self.link = TcpLink(transport, comm_id, self.global_ranks, rank)
-        self._direct = Direct(self.link)
+        self._direct = CmaCollectives(self.link)
         self._hosts = HostView(self.link)
         self._transport = transport
         self._owns = owns_transport
@@ -197,7 +197,7 @@ class TcpCommunicator(Communicator):
     # Large collectives of a group that spans hosts run hierarchically (shared memory inside
     # each host, sockets across: meshcomm.backends.tcp.hosts); large collectives between
     # ranks that can all read each other's memory take the direct path
-    # (meshcomm.backends.tcp.direct); the rest run the algorithms over the link.
+    # (meshcomm.backends.tcp.cma_collectives); the rest run the algorithms over the link.
     def _layout(
         self, send: object, recv: object, nbytes: int, op: ReduceOp | None
     ) -> Layout | None:
@@ -207,10 +207,10 @@ class TcpCommunicator(Communicator):
         if self._hosts.min_bytes < 0 or nbytes < self._hosts.min_bytes:
             return None
         if not (
-            _flat(recv, True)
-            and _flat(send, False)
+            flat_vector(recv, True)
+            and flat_vector(send, False)
             and send.dtype == recv.dtype  # type: ignore[attr-defined]
-            and (op is None or _op_ok(op, recv.dtype))  # type: ignore[attr-defined]
+            and (op is None or op_allowed(op, recv.dtype))  # type: ignore[attr-defined]
         ):
             return None
         return self._hosts.layout(nbytes)
@@ -225,11 +225,11 @@ class TcpCommunicator(Communicator):
         if not (
             0 < nbytes <= self._board_max
             and (direct < 0 or nbytes < direct)
-            and _flat(recv, True)
-            and _flat(send, False)
+            and flat_vector(recv, True)
+            and flat_vector(send, False)
             and send.dtype == recv.dtype
             and send.size == recv.size
-            and _op_ok(op, recv.dtype)
+            and op_allowed(op, recv.dtype)
         ):
             return False
         if self._board is None:

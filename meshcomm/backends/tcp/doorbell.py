@@ -27,10 +27,10 @@ from meshcomm.backends.tcp.shm_platform import (
     _BELL_SIZE,
     _SEQ_CST,
     Seconds,
+    SharedMapping,
     _check_rank,
     _create_segment,
     _job_token,
-    _Mapping,
     _Platform,
     _require_platform,
     _seg_name,
@@ -46,7 +46,9 @@ __all__ = [
     "BOARD_SEQ_WORD",
     "BOARD_STAMP_WORD",
     "DEFAULT_SPIN_US",
+    "Bell",
     "Doorbell",
+    "spin_us_from_env",
 ]
 
 #: Microseconds a waiter spins before sleeping, when it has a core to itself.
@@ -71,10 +73,10 @@ _WAKE_OP_ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0
 _WAKE_ALL = 0x7FFFFFFF
 
 
-class _Bell:
+class Bell:
     """A mapped doorbell word (our own or a peer's)."""
 
-    def __init__(self, mapping: _Mapping, plat: _Platform, rank: int) -> None:
+    def __init__(self, mapping: SharedMapping, plat: _Platform, rank: int) -> None:
         self.mapping = mapping
         self.rank = rank
         self._syscall = plat.syscall
@@ -138,15 +140,31 @@ def _wait_seconds(timeout: Seconds) -> float:
     return seconds
 
 
-def _default_spin(local_size: int | None) -> float:
+def spin_us_from_env() -> float | None:
+    """``MESHCOMM_SHM_SPIN_US``: microseconds a waiter polls before sleeping; None: unset.
+
+    Raises:
+        InvalidArgument: it is not a number in [0, 1e6].
+
+    Example:
+        >>> spin_us_from_env() is None or spin_us_from_env() >= 0
+        True
+    """
     raw = os.environ.get("MESHCOMM_SHM_SPIN_US", "").strip()
-    if raw:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not 0 <= value <= 1e6:
-            raise InvalidArgument(f"MESHCOMM_SHM_SPIN_US must be in [0, 1e6], got {raw!r}")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        raise InvalidArgument(f"MESHCOMM_SHM_SPIN_US must be in [0, 1e6], got {raw!r}")
+    return value
+
+
+def _default_spin(local_size: int | None) -> float:
+    value = spin_us_from_env()
+    if value is not None:
         return value
     if local_size is None or local_size > len(os.sched_getaffinity(0)):
         return 0.0  # more ranks than cores: a spinning waiter steals the core its peer needs
@@ -216,11 +234,11 @@ class Doorbell:
             (_B_NONCE, self.nonce),
         ):
             mapping.store(index, value)
-        self._own = _Bell(mapping, self._plat, self.rank)
+        self._own = Bell(mapping, self._plat, self.rank)
         self._linked = True
         self._expected = expected_peers
         self._acks = 0
-        self._peers: dict[int, _Bell] = {}
+        self._peers: dict[int, Bell] = {}
         self._armed = self._own.value()
         self._is_armed = False
         self.closed = False
@@ -316,11 +334,11 @@ class Doorbell:
         """Ring this process's own doorbell (from another thread, or to cut a wait short)."""
         self._own.ring()
 
-    def peer_bell(self, rank: int) -> _Bell | None:
+    def peer_bell(self, rank: int) -> Bell | None:
         """The mapped doorbell of same-host peer ``rank`` (None: no pair with it)."""
         return self._peers.get(rank)
 
-    def own_bell(self) -> _Bell:
+    def own_bell(self) -> Bell:
         """This process's own doorbell word and page."""
         return self._own
 
@@ -358,13 +376,13 @@ class Doorbell:
         if self._expected is not None and self._acks >= self._expected:
             self.seal()
 
-    def _attach(self, rank: int, bell: _Bell) -> None:
+    def _attach(self, rank: int, bell: Bell) -> None:
         old = self._peers.pop(rank, None)
         if old is not None and old is not bell:
             old.mapping.close()
         self._peers[rank] = bell
 
-    def _detach(self, rank: int, bell: _Bell) -> None:
+    def _detach(self, rank: int, bell: Bell) -> None:
         if self._peers.get(rank) is bell:
             del self._peers[rank]
         bell.mapping.close()

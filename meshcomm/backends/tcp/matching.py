@@ -5,8 +5,9 @@ nobody waits for yet is kept as an *unexpected* message, first in first out per
 (communicator, source, tag), and bound to the next receive that asks for it. Frames are
 matched the same way whichever channel (socket or shared memory) brought them.
 
-:class:`Matching` is a mixin of :class:`~meshcomm.backends.tcp.transport.Transport`: it owns
-the queues and the count of the current call's pending operations.
+:class:`Matching` is one of the parts a :class:`~meshcomm.backends.tcp.transport.Transport`
+holds: it owns the queues, and counts posted receives in the transport's
+:class:`~meshcomm.backends.tcp.waiting.Progress`.
 
 Example:
     >>> as_bytes(np.arange(2, dtype=np.int32)).nbytes
@@ -20,9 +21,21 @@ from collections import deque
 import numpy as np
 
 from meshcomm.backends.tcp import wire
-from meshcomm.errors import InvalidArgument, MismatchError, PeerError, ProtocolError
+from meshcomm.backends.tcp.waiting import Progress
+from meshcomm.errors import InvalidArgument, MismatchError, ProtocolError
 
-__all__ = ["ANY_SOURCE", "LINK_TAG", "Matching", "as_bytes"]
+__all__ = [
+    "ANY_SOURCE",
+    "CONTROL",
+    "LINK_TAG",
+    "PLAIN",
+    "RTS",
+    "Matching",
+    "Message",
+    "Recv",
+    "Send",
+    "as_bytes",
+]
 
 #: Tag of Link traffic (negative tags are internal; users get 0 and up). A link frame of a
 #: stamped call (mismatch checks, :mod:`meshcomm._fingerprint`) carries ``-2 - stamp``
@@ -34,7 +47,7 @@ _SEQ_HALF = 0x8000
 #: ``src`` of a receive that accepts any rank.
 ANY_SOURCE = -1
 
-# _Send kinds: a frame this call waits for; an RTS (done when its FIN comes back); a
+# Send kinds: a frame this call waits for; an RTS (done when its FIN comes back); a
 # control frame of the engine itself (no caller waits for it).
 PLAIN, RTS, CONTROL = 0, 1, 2
 
@@ -132,57 +145,82 @@ class Message:
 
 
 class Matching:
-    """Posted receives, unexpected messages, and how frames find their receive (a mixin)."""
+    """Posted receives, unexpected messages, and how frames find their receive.
 
-    rank: int
-    _npending: int
-    _gone: dict[int, str]
-    _posted: dict[tuple[int, int, int], deque[Recv]]
-    _posted_any: dict[tuple[int, int], deque[Recv]]
-    _unexpected: dict[tuple[int, int, int], deque[Message]]
-    #: comm id -> how errors name that communicator's group (set by its communicator).
-    labels: dict[int, str]
-    #: (comm id, link tag) of the stamped call in progress, or None: a frame of that
-    #: communicator that nobody waits for is checked against it when it arrives.
-    _stamped: tuple[int, int] | None = None
+    One per transport; the socket and ring engines hand it every DATA, RTS and ARRAY frame
+    (:meth:`target_for`) and every finished payload (:meth:`payload_done`), whichever
+    channel brought it.
 
-    def _label(self, comm_id: int) -> str:
+    Args:
+        rank: this process's global rank (for messages).
+        progress: the transport's counters (a posted receive is one pending operation).
+
+    Attributes:
+        posted: receives waiting for a frame, by (communicator, source, tag).
+        posted_any: receives from any source, by (communicator, tag).
+        unexpected: frames nobody waited for yet, by (communicator, source, tag).
+        labels: comm id -> how errors name that communicator's group (set by its
+            communicator).
+        stamped: (comm id, link tag) of the stamped call in progress, or None: a frame of
+            that communicator that nobody waits for is checked against it when it arrives.
+    """
+
+    def __init__(self, rank: int, progress: Progress) -> None:
+        self.rank = rank
+        self.progress = progress
+        self.posted: dict[tuple[int, int, int], deque[Recv]] = {}
+        self.posted_any: dict[tuple[int, int], deque[Recv]] = {}
+        self.unexpected: dict[tuple[int, int, int], deque[Message]] = {}
+        self.labels: dict[int, str] = {}
+        self.stamped: tuple[int, int] | None = None
+
+    def label(self, comm_id: int) -> str:
+        """How errors name communicator ``comm_id``'s group."""
         return self.labels.get(comm_id, "on the world" if comm_id == 0 else "on a sub-group")
 
-    def _gone_error(self, peer: int, action: str) -> PeerError:
-        raise NotImplementedError  # the transport's
+    def expect(self, comm_id: int, tag: int) -> None:
+        """Begin a call of ``comm_id`` whose link frames carry ``tag``: a stamped call's
+        first exchange checks the frames already waiting unreceived."""
+        if tag < LINK_TAG:
+            stamped = (comm_id, tag)
+            if stamped != self.stamped:
+                self.stamped = stamped
+                if self.unexpected:
+                    self.scan_strays(comm_id)
+        else:
+            self.stamped = None
 
-    def _post_recv(self, r: Recv) -> None:
+    def post_recv(self, r: Recv) -> bool:
+        """Post ``r``, or bind it to a frame that came first; True when it waits."""
         src = r.src
         if src == ANY_SOURCE:
             msg = self._pop_unexpected_any(r.comm_id, r.tag)
         else:
             key = (r.comm_id, src, r.tag)
-            queue = self._unexpected.get(key)
+            queue = self.unexpected.get(key)
             msg = None
             if queue:
                 msg = queue.popleft()
                 if not queue:
-                    del self._unexpected[key]
+                    del self.unexpected[key]
         if msg is not None:
             self._bind(r, msg)
-            return
-        if src != ANY_SOURCE and src in self._gone:
-            raise self._gone_error(src, "receive from")
-        self._npending += 1
+            return False
+        self.progress.pending += 1
         if src == ANY_SOURCE:
-            self._posted_any.setdefault((r.comm_id, r.tag), deque()).append(r)
+            self.posted_any.setdefault((r.comm_id, r.tag), deque()).append(r)
         else:
-            self._posted.setdefault((r.comm_id, src, r.tag), deque()).append(r)
+            self.posted.setdefault((r.comm_id, src, r.tag), deque()).append(r)
+        return True
 
     def _pop_unexpected_any(self, comm_id: int, tag: int) -> Message | None:
         # The earliest complete-or-not message from any source (insertion order of the dict
         # is arrival order of each source's first pending frame; good enough and fair).
-        for key, queue in self._unexpected.items():
+        for key, queue in self.unexpected.items():
             if key[0] == comm_id and key[2] == tag and queue:
                 msg = queue.popleft()
                 if not queue:
-                    del self._unexpected[key]
+                    del self.unexpected[key]
                 return msg
         return None
 
@@ -193,7 +231,7 @@ class Matching:
             self._deliver(r, msg)
         else:
             msg.waiter = r
-            self._npending += 1
+            self.progress.pending += 1
 
     def _check_match(self, r: Recv, h: wire.FrameHeader, src: int) -> None:
         if r.dest is None:
@@ -205,42 +243,42 @@ class Matching:
         else:
             tag = h.tag
             if tag != r.want and tag < LINK_TAG and r.want < LINK_TAG:  # both stamped
-                raise self._mismatch(r.comm_id, src, tag)
+                raise self.mismatch(r.comm_id, src, tag)
             if h.kind == wire.ARRAY or h.length != len(r.dest):
                 got = "an array (send)" if h.kind == wire.ARRAY else f"{h.length} bytes"
                 raise ProtocolError(
                     f"rank {self.rank}: expected {len(r.dest)} bytes from rank {src} "
-                    f"{self._label(r.comm_id)}, got {got}: the ranks disagree on the "
+                    f"{self.label(r.comm_id)}, got {got}: the ranks disagree on the "
                     "operation (MESHCOMM_DEBUG=DETAIL names both calls)"
                 )
 
-    def _mismatch(self, comm_id: int, src: int, tag: int) -> MismatchError:
+    def mismatch(self, comm_id: int, src: int, tag: int) -> MismatchError:
         """The error for a frame of ``src`` stamped ``tag`` that differs from this call's."""
         return MismatchError(
             f"rank {self.rank}: rank {src} called a different collective "
-            f"{self._label(comm_id)} than this rank",
+            f"{self.label(comm_id)} than this rank",
             peer=src,
             theirs=-2 - tag,
         )
 
-    def _stray(self, comm_id: int, src: int, tag: int) -> None:
+    def stray(self, comm_id: int, src: int, tag: int) -> None:
         """Raise if a stamped frame nobody waits for yet cannot belong to a later call of
         the stamped call in progress: the same call number with another signature, or an
         earlier one (its receiver finished that call without it). Frames of later calls
         (a peer that is ahead) wait for their receive."""
-        current = self._stamped
+        current = self.stamped
         if current is None or current[0] != comm_id or tag >= LINK_TAG or tag == current[1]:
             return
         ahead = ((-2 - tag) - (-2 - current[1])) & _SEQ_MASK
         if ahead == 0 or ahead >= _SEQ_HALF:
-            raise self._mismatch(comm_id, src, tag)
+            raise self.mismatch(comm_id, src, tag)
 
-    def _scan_strays(self, comm_id: int) -> None:
-        """:meth:`_stray` for every frame of ``comm_id`` already waiting unreceived."""
-        for key, queue in self._unexpected.items():
+    def scan_strays(self, comm_id: int) -> None:
+        """:meth:`stray` for every frame of ``comm_id`` already waiting unreceived."""
+        for key, queue in self.unexpected.items():
             if key[0] == comm_id and key[2] == LINK_TAG:
                 for msg in queue:
-                    self._stray(comm_id, key[1], msg.header.tag)
+                    self.stray(comm_id, key[1], msg.header.tag)
 
     @staticmethod
     def _deliver(r: Recv, msg: Message) -> None:
@@ -250,22 +288,22 @@ class Matching:
             r.dest[:] = msg.buf
         r.done = True
 
-    def _target_for(self, h: wire.FrameHeader, src: int) -> tuple[Recv | Message, memoryview]:
+    def target_for(self, h: wire.FrameHeader, src: int) -> tuple[Recv | Message, memoryview]:
         """The receive (or a new unexpected message) a DATA, RTS or ARRAY frame goes to."""
         tag = h.tag
         key = (h.comm_id, src, LINK_TAG if tag < LINK_TAG else tag)
-        queue = self._posted.get(key)
+        queue = self.posted.get(key)
         r = None
         if queue:
             r = queue.popleft()
             if not queue:
-                del self._posted[key]
+                del self.posted[key]
         elif tag >= 0:
-            any_queue = self._posted_any.get((h.comm_id, tag))
+            any_queue = self.posted_any.get((h.comm_id, tag))
             if any_queue:
                 r = any_queue.popleft()
                 if not any_queue:
-                    del self._posted_any[(h.comm_id, tag)]
+                    del self.posted_any[(h.comm_id, tag)]
         if r is not None:
             self._check_match(r, h, src)
             r.source = src
@@ -274,27 +312,38 @@ class Matching:
             r.array = np.empty(h.shape, h.dtype)  # type: ignore[arg-type]
             return r, as_bytes(r.array, writable=True)
         if tag < LINK_TAG:
-            self._stray(h.comm_id, src, tag)
+            self.stray(h.comm_id, src, tag)
         msg = Message(h, src)
         if h.kind == wire.ARRAY:
             msg.array = np.empty(h.shape, h.dtype)  # type: ignore[arg-type]
             msg.buf = as_bytes(msg.array, writable=True)
         else:
             msg.buf = memoryview(bytearray(h.length))
-        self._unexpected.setdefault(key, deque()).append(msg)
+        self.unexpected.setdefault(key, deque()).append(msg)
         return msg, msg.buf
 
-    def _payload_done(self, current: Recv | Message | None) -> None:
+    def payload_done(self, current: object) -> None:
+        """A frame's payload is in: complete its receive (or its unexpected message)."""
         if type(current) is Recv:
             current.done = True
-            self._npending -= 1
+            self.progress.pending -= 1
         elif type(current) is Message:
             current.done = True
             waiter = current.waiter
             if waiter is not None:
                 self._deliver(waiter, current)
-                self._npending -= 1
+                self.progress.pending -= 1
 
-    def _forget_unexpected(self, comm_id: int) -> None:
-        for key in [k for k in self._unexpected if k[0] == comm_id]:
-            del self._unexpected[key]
+    def waits_for(self, peer: int) -> bool:
+        """Whether a posted receive waits for a frame of ``peer``."""
+        return any(key[1] == peer and q for key, q in self.posted.items())
+
+    def forget(self, comm_id: int) -> None:
+        """Drop the frames kept for communicator ``comm_id`` (it closed)."""
+        for key in [k for k in self.unexpected if k[0] == comm_id]:
+            del self.unexpected[key]
+
+    def clear(self) -> None:
+        """Drop every posted receive (the transport broke)."""
+        self.posted.clear()
+        self.posted_any.clear()

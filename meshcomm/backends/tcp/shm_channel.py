@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshcomm.backends.tcp.doorbell import Doorbell, _Bell
+from meshcomm.backends.tcp.doorbell import Bell, Doorbell
 from meshcomm.backends.tcp.shm_platform import (
     _HEADER,
     _SEQ_CST,
@@ -23,7 +23,7 @@ from meshcomm.backends.tcp.shm_platform import (
     _W_TAIL,
     _W_TX_BLOCKED,
     BytesLike,
-    _Mapping,
+    SharedMapping,
     _process_alive,
 )
 from meshcomm.errors import CommError, InvalidArgument, PeerError, ProtocolError
@@ -70,14 +70,14 @@ class ShmChannel:
 
     def __init__(
         self,
-        mapping: _Mapping,
+        mapping: SharedMapping,
         *,
         is_sender: bool,
         rank: int,
         peer: int,
         peer_pid: int,
         peer_start: int | None,
-        peer_bell: _Bell,
+        peer_bell: Bell,
         capacity: int,
     ) -> None:
         self._map = mapping
@@ -326,7 +326,7 @@ class ShmPair:
     peer: int
     peer_pid: int
     _doorbell: Doorbell = field(repr=False)
-    _peer_bell: _Bell = field(repr=False)
+    _peer_bell: Bell = field(repr=False)
     peer_reads_us: bool = False
     we_read_peer: bool = False
 

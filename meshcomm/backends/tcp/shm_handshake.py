@@ -14,7 +14,7 @@ import secrets
 from typing import Any
 
 from meshcomm.backends.tcp import cma, shm_budget
-from meshcomm.backends.tcp.doorbell import _B_MAGIC, _B_NONCE, _B_RANK, _MAGIC_BELL, Doorbell, _Bell
+from meshcomm.backends.tcp.doorbell import _B_MAGIC, _B_NONCE, _B_RANK, _MAGIC_BELL, Bell, Doorbell
 from meshcomm.backends.tcp.shm_channel import ShmChannel, ShmPair
 from meshcomm.backends.tcp.shm_platform import (
     _BELL_SIZE,
@@ -27,9 +27,9 @@ from meshcomm.backends.tcp.shm_platform import (
     _W_SENDER,
     _W_VERSION,
     MAX_CAPACITY,
+    SharedMapping,
     _check_rank,
     _create_segment,
-    _Mapping,
     _open_segment,
     _seg_name,
     _unlink,
@@ -158,7 +158,7 @@ class ShmHandshake:
                 "close groups no longer needed"
             )
         try:
-            self._rx: _Mapping | None = _create_segment(self._name, size, self._plat)
+            self._rx: SharedMapping | None = _create_segment(self._name, size, self._plat)
         except BaseException:
             shm_budget.rings.release(size)
             raise
@@ -173,8 +173,8 @@ class ShmHandshake:
             (_W_NONCE, self._nonce),
         ):
             self._rx.store(index, value)
-        self._tx: _Mapping | None = None
-        self._peer_bell: _Bell | None = None
+        self._tx: SharedMapping | None = None
+        self._peer_bell: Bell | None = None
         self._peer_offer: dict[str, Any] | None = None
         self._via_proc = False
         self._done = False
@@ -257,12 +257,12 @@ class ShmHandshake:
             tx.close()
             raise
         self._tx = tx
-        self._peer_bell = _Bell(mapping, self._plat, self.peer)
+        self._peer_bell = Bell(mapping, self._plat, self.peer)
         self._peer_offer = obj
         if cma.cma_enabled():
             self._cma = cma.read_word(obj["pid"], obj["probe"]) == obj["ring_nonce"]
 
-    def _open_bell(self, obj: dict[str, Any]) -> _Mapping:
+    def _open_bell(self, obj: dict[str, Any]) -> SharedMapping:
         """Map the peer's doorbell: through ``/proc/<pid>/fd/<n>`` if we may, else by name."""
         want = [_MAGIC_BELL, self.peer, obj["bell_nonce"]]
         try:

@@ -3,7 +3,7 @@
 Platform probing (Linux, futex syscall number, x86-64 TSO or libatomic, a writable
 ``/dev/shm``), the environment knobs (``MESHCOMM_TRANSPORT``, ``MESHCOMM_SHM_BYTES``), the
 host key that tells whether two ranks can share memory, process liveness by pid and start
-time, segment names and :func:`sweep`, and :class:`_Mapping`, a mapped segment with ordered
+time, segment names and :func:`sweep`, and :class:`SharedMapping`, a mapped segment with ordered
 access to its 64-bit header words. :mod:`~meshcomm.backends.tcp.doorbell` and
 :mod:`~meshcomm.backends.tcp.shm` build on it; see the latter for the design.
 
@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "MAX_CAPACITY",
     "SHM_DIR",
+    "SharedMapping",
     "default_capacity",
     "host_key",
     "shm_enabled",
@@ -353,7 +354,7 @@ def sweep(job: str | bytes | None = None) -> list[str]:
 # -- mappings ------------------------------------------------------------------------------
 
 
-class _Mapping:
+class SharedMapping:
     """One shared file mapped read-write, with ordered access to its header words."""
 
     def __init__(self, fd: int, size: int, plat: _Platform) -> None:
@@ -418,7 +419,9 @@ class _Mapping:
             self.mm.close()
 
 
-def _create_segment(name: str, size: int, plat: _Platform, *, keep_fd: bool = False) -> _Mapping:
+def _create_segment(
+    name: str, size: int, plat: _Platform, *, keep_fd: bool = False
+) -> SharedMapping:
     """Create, reserve and map ``name``; with ``keep_fd`` its descriptor stays open as ``fd``."""
     path = os.path.join(SHM_DIR, name)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -429,7 +432,7 @@ def _create_segment(name: str, size: int, plat: _Platform, *, keep_fd: bool = Fa
     try:
         # Reserve the pages now: on a full tmpfs, touching an unreserved page is a SIGBUS.
         os.posix_fallocate(fd, 0, size)
-        mapping = _Mapping(fd, size, plat)
+        mapping = SharedMapping(fd, size, plat)
     except OSError as exc:
         os.close(fd)
         _unlink(name)
@@ -448,7 +451,7 @@ def _create_segment(name: str, size: int, plat: _Platform, *, keep_fd: bool = Fa
     return mapping
 
 
-def _open_segment(name: str, size: int, plat: _Platform, *, unlink: bool) -> _Mapping:
+def _open_segment(name: str, size: int, plat: _Platform, *, unlink: bool) -> SharedMapping:
     """Open and map ``name`` in ``/dev/shm``, or a ``/proc/<pid>/fd/<n>`` path (no name)."""
     via_proc = name.startswith("/proc/")
     path = name if via_proc else os.path.join(SHM_DIR, name)
@@ -469,6 +472,6 @@ def _open_segment(name: str, size: int, plat: _Platform, *, unlink: bool) -> _Ma
             raise ProtocolError(f"{path} has {info.st_size} bytes, the offer said {size}")
         if unlink and not via_proc:
             _unlink(name)  # before any byte moves: from now on only the mappings keep it
-        return _Mapping(fd, size, plat)
+        return SharedMapping(fd, size, plat)
     finally:
         os.close(fd)

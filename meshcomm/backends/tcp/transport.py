@@ -20,7 +20,14 @@ operation needs a socket, it sleeps in ``select`` on the sockets instead, in sli
 2 ms between which it polls the rings (no helper thread: nothing else competes for the
 GIL or for a core).
 
-Connection set-up lives in :mod:`~meshcomm.backends.tcp.connections`; addresses in
+The transport is made of parts it holds, each in a module of its own: the matching of
+frames to receives (:mod:`~meshcomm.backends.tcp.matching`), the two carriers, sockets
+(:mod:`~meshcomm.backends.tcp.connections`, which also sets connections up) and
+shared-memory rings (:mod:`~meshcomm.backends.tcp.shm_engine`), the board
+(:mod:`~meshcomm.backends.tcp.board`), copies of peers' memory
+(:mod:`~meshcomm.backends.tcp.peer_memory`), the failure path
+(:mod:`~meshcomm.backends.tcp.faults`) and the one wait loop
+(:mod:`~meshcomm.backends.tcp.waiting`). Addresses are in
 :mod:`~meshcomm.backends.tcp.addresses`. The listening socket is served by a thread of its
 own (:mod:`~meshcomm.backends.tcp.listener`) that accepts at all times, screens handshakes
 (and with a job secret authenticates them, :mod:`~meshcomm.backends.tcp.link_auth`), and
@@ -33,7 +40,7 @@ key about once a second, so ranks with no connection to the dead one fail too. N
 for the timeout raises :class:`~meshcomm.errors.CommTimeout`. After either, the transport is
 broken and every call fails fast with the original reason. A failing rank writes its record
 and a note of why it gives up before it raises, so a peer that sees it leave names the first
-failure instead of calling it dead (``Transport._blame``).
+failure instead of calling it dead (:meth:`~meshcomm.backends.tcp.faults.Faults.blame`).
 """
 
 from __future__ import annotations
@@ -41,65 +48,49 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import selectors
 import socket
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import numpy as np
 
 from meshcomm._secret import job_secret
 from meshcomm.backends.tcp import cma, wire
-from meshcomm.backends.tcp.abort import AbortRecord
 from meshcomm.backends.tcp.addresses import (
     addr_key,
     choose_host,
     format_address,
     tune,
 )
-from meshcomm.backends.tcp.board import BoardEngine
-from meshcomm.backends.tcp.connections import (
-    _ACCEPTING,
-    _CLOSED,
-    _CONNECTING,
-    _OPEN,
-    Channel,
-    ShmMessage,
-)
+from meshcomm.backends.tcp.board import BoardAllReduce
+from meshcomm.backends.tcp.connections import Connections
+from meshcomm.backends.tcp.faults import ABORT_KEY, LEFT_KEY, Faults
 from meshcomm.backends.tcp.link import TcpLink
 from meshcomm.backends.tcp.listener import LinkListener
 from meshcomm.backends.tcp.matching import (
     ANY_SOURCE,
     LINK_TAG,
-    PLAIN,
     RTS,
+    Matching,
     Recv,
     Send,
     as_bytes,
 )
+from meshcomm.backends.tcp.peer_memory import PeerMemory
 from meshcomm.backends.tcp.shm import host_key, shm_enabled, sweep
 from meshcomm.backends.tcp.shm_budget import budget_bytes
-from meshcomm.backends.tcp.shm_engine import (
-    CMA_MIN,
-    ShmPeer,
-    Spinner,
-    shares_cores,
-    spin_policy,
-)
+from meshcomm.backends.tcp.shm_engine import CMA_MIN, Carrier, ShmEngine, ShmPeer
+from meshcomm.backends.tcp.waiting import Progress, Spinner, Waiter, shares_cores, spin_policy
 from meshcomm.errors import (
     CommError,
     CommTimeout,
     InvalidArgument,
-    MeshCommError,
-    MismatchError,
     PeerError,
     ProtocolError,
     RendezvousError,
-    StoreError,
 )
+from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 
 __all__ = [
@@ -117,26 +108,12 @@ __all__ = [
 ]
 
 TOKEN_KEY = "meshcomm/tcp/token"
-ABORT_KEY = "meshcomm/tcp/abort"
-#: + the rank: why a rank gave up (its first error), written before it can leave.
-LEFT_KEY = "meshcomm/tcp/left/"
 
-_ABORT_CHECK_INTERVAL = 1.0
 # The listener thread empties the backlog between GIL slices of a busy rank: room for a
 # burst of connections meanwhile.
 _BACKLOG = 1024
 # Payloads up to this size are copied behind their header and sent as one buffer.
 _COALESCE_MAX = 16 * 1024
-# Sleeping on the doorbell, look at the sockets at least this often.
-_SOCKET_POLL = 0.01
-# Sleeping in select with shared-memory operations pending: poll the rings this often.
-_MIXED_MIN, _MIXED_MAX = 0.0001, 0.002
-# ... and with only socket operations pending (the rings are drained for others' sake).
-_MIXED_IDLE = 0.01
-_GOODBYE = "closed its communicator"
-_NO_GOODBYE = "its connection closed (EOF) without a goodbye"
-_NOTE_MAX = 1000
-_T = TypeVar("_T")
 
 
 def channel_kind(same_host: bool) -> str:
@@ -163,7 +140,7 @@ def _local_size(size: int) -> int:
     return size
 
 
-class Transport(BoardEngine):
+class Transport:
     """Channels to every peer of one world and the engine that moves their frames.
 
     Create it with :meth:`start`. All methods are thread-safe: calls are serialized by a
@@ -177,6 +154,8 @@ class Transport(BoardEngine):
         address: the advertised ``host:port`` of this rank's listener.
         rejected: reasons of handshakes this rank refused (foreign or stale peers).
         shm_fallbacks: why a same-host peer uses its socket instead of shared memory.
+        labels: comm id -> how errors name that communicator's group.
+        memory: copies of same-host peers' memory (the CMA collectives').
     """
 
     def __init__(
@@ -194,12 +173,10 @@ class Transport(BoardEngine):
         self.size = size
         self.timeout = timeout
         self.address = address
-        self._store = store
         self._token = token
         self._secret = secret
-        self.rejected = []
-        self.labels = {}
-        self._links = LinkListener(
+        self.rejected: list[str] = []
+        links = LinkListener(
             listener,
             rank=rank,
             size=size,
@@ -210,36 +187,52 @@ class Transport(BoardEngine):
             handshake_timeout=min(timeout, 10.0),
             max_parked=max(64, 2 * size),
         )
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._links.wake, selectors.EVENT_READ, None)  # data None: parked
         self._lock = threading.Lock()
-        self._conns = {}
-        self._tcp = {}
-        self._connecting = {}
-        self._accepting = set()
-        self._awaiting = set()  # our connect was refused as a duplicate: theirs comes
-        self._setup = {}
-        self._gone = {}  # peers whose connection ended between frames
-        self._shm = {}
-        self._shm_list = []
-        self._sendq = {}
-        self._posted = {}
-        self._posted_any = {}
-        self._unexpected = {}
-        self._npending = 0
-        self._progressed = False
-        self._last_abort_check = 0.0
-        self._last_socket_poll = 0.0
         self._failure: CommError | None = None
         self._closed = False
         self._shm_wanted = shm_enabled()
-        self._host_key = host_key() if self._shm_wanted else ""
-        self._local_size = _local_size(size)
-        self._spinner = Spinner(spin_policy(self._local_size), shares_cores(self._local_size))
-        self._bell = None
-        self._board = None
-        self.shm_fallbacks = {}
-        self._links.start()
+        local_size = _local_size(size)
+        # The parts, each with one job; they share the counters and the send queues.
+        self._progress = progress = Progress()
+        self._sendq: dict[int, deque[Send]] = {}
+        self._faults = faults = Faults(rank, size, store)
+        self._matching = matching = Matching(rank, progress)
+        self.labels = matching.labels
+        self._rings = rings = ShmEngine(rank, token, progress, matching, faults, self._sendq)
+        self._sockets = sockets = Connections(
+            rank,
+            size,
+            timeout,
+            store,
+            token,
+            secret,
+            links,
+            self.rejected,
+            progress,
+            matching,
+            rings,
+            faults,
+            self._sendq,
+            host_key() if self._shm_wanted else None,
+        )
+        self.shm_fallbacks = sockets.shm_fallbacks
+        # Both kinds of channel behind one interface (each checked against it here).
+        self._carriers: tuple[Carrier, Carrier] = (rings, sockets)
+        self._waiter = Waiter(
+            rank,
+            timeout,
+            progress,
+            Spinner(spin_policy(local_size), shares_cores(local_size)),
+            rings,
+            sockets.select,
+            faults.check_abort,
+        )
+        self._board = BoardAllReduce(rank, rings, matching, faults, progress, self._waiter)
+        self.memory = PeerMemory(rank, rings, faults, self._break)
+        # The hot path's own references (the same dicts the parts hold).
+        self._shm = rings.peers
+        self._gone = faults.gone
+        links.start()
 
     @classmethod
     def start(
@@ -326,15 +319,25 @@ class Transport(BoardEngine):
     @property
     def connected_peers(self) -> list[int]:
         """Global ranks this process has an open connection to (for diagnostics)."""
-        return sorted(self._conns)
+        return sorted(self._sockets.conns)
 
     @property
     def channels(self) -> dict[int, str]:
         """The channel each connected peer's data takes: ``"shm"``, ``"tcp"`` or ``"setup"``."""
-        kinds = {peer: "setup" for peer in self._setup}
-        kinds.update({peer: "tcp" for peer in self._tcp})
+        kinds = {peer: "setup" for peer in self._sockets.setup}
+        kinds.update({peer: "tcp" for peer in self._sockets.tcp})
         kinds.update({peer: "shm" for peer in self._shm})
         return dict(sorted(kinds.items()))
+
+    @property
+    def shm_peers(self) -> dict[int, ShmPeer]:
+        """The shared-memory peers, by global rank (for diagnostics)."""
+        return dict(self._shm)
+
+    @property
+    def screening(self) -> int:
+        """Connections the listener thread is screening now (for diagnostics)."""
+        return self._sockets.screening
 
     @property
     def authenticated(self) -> bool:
@@ -350,6 +353,12 @@ class Transport(BoardEngine):
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closed
+
+    def publish_mismatch(self, reason: str) -> str:
+        """Publish a mismatch (both calls in words) as the abort record, so that every rank
+        of this transport raises it; return the mismatch to raise here: the first one
+        published (another rank may have seen the same mismatch first)."""
+        return self._faults.publish_mismatch(reason)
 
     def exchange(
         self,
@@ -375,21 +384,18 @@ class Transport(BoardEngine):
         try:
             if self._failure is not None or self._closed:
                 self._run([], [], "exchange", comm_id)  # raises the reason
-            self._npending = 0
+            progress = self._progress
+            progress.pending = 0
             try:
-                if tag < LINK_TAG:  # a stamped call: frames nobody waits for are checked
-                    stamped = (comm_id, tag)
-                    if stamped != self._stamped:  # a call's first exchange: scan those here
-                        self._stamped = stamped
-                        if self._unexpected:
-                            self._scan_strays(comm_id)
-                else:
-                    self._stamped = None
+                matching = self._matching
+                matching.expect(comm_id, tag)
                 rops = [Recv(comm_id, src, tag, buf) for src, buf in recvs]
+                gone = self._gone
                 for r in rops:
-                    self._post_recv(r)
+                    if matching.post_recv(r) and r.src in gone:
+                        raise self._faults.gone_error(r.src, "receive from")
                 sops = [s for peer, buf in sends if (s := self._post_data(comm_id, tag, peer, buf))]
-                if self._npending:
+                if progress.pending:
                     self._wait("exchange", comm_id, sops, rops)
             except BaseException as exc:
                 self._fail(exc, "exchange")
@@ -406,15 +412,7 @@ class Transport(BoardEngine):
             # write is much cheaper than two.
             frame = wire.pack_data_header(comm_id, tag, n) + buf
             if sp is not None and not self._sendq.get(peer):
-                done = sp.tx.push(frame)  # type: ignore[arg-type]
-                if done:
-                    self._progressed = True
-                    if done == len(frame):
-                        return None
-                s = Send(peer, [memoryview(frame)[done:]], len(frame) - done)
-                self._sendq[peer] = deque([s])
-                self._npending += 1
-                return s
+                return self._rings.post_frame(sp, frame)
             s = Send(peer, [frame], len(frame))
         elif sp is not None and sp.cma and n >= CMA_MIN:
             rts = wire.pack_rts_header(comm_id, tag, n, cma.address_of(buf))
@@ -444,12 +442,54 @@ class Transport(BoardEngine):
             raise ProtocolError("array receive completed without an array")
         return op.array, op.source
 
+    # -- the board ---------------------------------------------------------------------------
+    def board_local_ok(self, members: Sequence[int]) -> bool:
+        """Whether this process could run board calls among ``members`` (global ranks);
+        see :meth:`~meshcomm.backends.tcp.board.BoardAllReduce.local_ok`."""
+        return self._board.local_ok(members)
+
+    def board_open(self, members: Sequence[int], rank: int) -> None:
+        """Map the board of every member (after every member said :meth:`board_local_ok`)."""
+        self._board.open(members, rank)
+
+    def board_all_reduce(
+        self, send: np.ndarray, recv: np.ndarray, op: ReduceOp, stamp: int | None = None
+    ) -> None:
+        """Reduce ``send`` of every member into ``recv`` on the board (flat, same dtype and
+        size, at most ``BOARD_BYTES``; ``send`` may be ``recv``); ``stamp``: the call's
+        stamp, or None (:meth:`~meshcomm.backends.tcp.board.BoardAllReduce.run`).
+
+        Raises:
+            MismatchError: a member's stamp differs from ours.
+            CommTimeout: no member arrived for the timeout.
+            PeerError: a member died or closed (names its global rank).
+        """
+        if not self._lock.acquire(timeout=self.timeout):
+            raise CommTimeout(
+                f"rank {self.rank}: all_reduce waited {self.timeout:g} s for another thread's "
+                "operation on this transport"
+            )
+        try:
+            board = self._board.board
+            if self._failure is not None or self._closed or board is None:
+                self._run([], [], "all_reduce", 0)  # raises the reason
+                raise CommError(f"rank {self.rank}: all_reduce: no board")  # pragma: no cover
+            self._progress.pending = 0
+            try:
+                self._board.run(board, send, recv, op, stamp)
+            except BaseException as exc:
+                self._fail(exc, "all_reduce")
+                raise
+        finally:
+            self._lock.release()
+
+    # -- closing -----------------------------------------------------------------------------
     def forget(self, comm_id: int) -> None:
         """Drop frames buffered for a closed communicator (skipped if the lock stays busy)."""
         if not self._lock.acquire(timeout=self.timeout):
             return
         try:
-            self._forget_unexpected(comm_id)
+            self._matching.forget(comm_id)
         finally:
             self._lock.release()
 
@@ -463,25 +503,13 @@ class Transport(BoardEngine):
                 return
             self._closed = True
             with contextlib.suppress(CommError):
-                self._flush_control()
-            for sp in list(self._shm_list):
-                self._detach_shm(sp.peer)
-            goodbye = wire.encode_header(wire.GOODBYE, comm_id=0, tag=0, length=0)
-            for ch in list(self._conns.values()):
-                if self._failure is None and not self._sendq.get(ch.peer):
-                    with contextlib.suppress(OSError):
-                        ch.sock.send(goodbye)
-            channels = [key.data for key in self._sel.get_map().values() if key.data is not None]
-            for ch in channels:
-                self._drop(ch)
-            with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(self._links.wake)
-            self._links.close()
-            self._sel.close()
-            self._unexpected.clear()
-            self._board = None
-            if self._bell is not None:
-                self._bell.close()
+                for carrier in self._carriers:
+                    carrier.flush_control()
+            self._rings.close()
+            self._sockets.close(goodbye=self._failure is None)
+            self._matching.unexpected.clear()
+            self._board.board = None
+            self._rings.close_doorbell()
             # Names left by peers killed during their shared-memory set-up (ours are gone).
             if self._shm_wanted:
                 sweep(self.job)
@@ -506,13 +534,15 @@ class Transport(BoardEngine):
             raise _replay(self._failure)
         if self._closed:
             raise CommError(f"rank {self.rank}: {what} on a closed tcp transport")
-        self._npending = 0
+        self._progress.pending = 0
         try:
+            gone = self._gone
             for r in recvs:
-                self._post_recv(r)
+                if self._matching.post_recv(r) and r.src != ANY_SOURCE and r.src in gone:
+                    raise self._faults.gone_error(r.src, "receive from")
             for s in sends:
                 self._post_send(s)
-            if self._npending:
+            if self._progress.pending:
                 self._wait(what, comm_id, sends, recvs)
         except BaseException as exc:
             self._fail(exc, what)
@@ -527,84 +557,23 @@ class Transport(BoardEngine):
             self._break(CommError(f"rank {self.rank}: {what} was interrupted: {exc!r}"))
 
     def _wait(self, what: str, comm_id: int, sends: list[Send], recvs: list[Recv]) -> None:
-        clock = time.monotonic
-        timeout = self.timeout
-        start = last_progress = clock()
-        mixed = _MIXED_MIN
-        spun = False
-        while self._npending:
-            if self._shm_list:
-                self._poll_shm()
-                if not self._npending:
-                    return
-            now = clock()
-            if self._progressed:
-                self._progressed = False
-                last_progress = now
-                mixed = _MIXED_MIN
-                spun = False  # poll again before the next sleep
-            idle = now - last_progress
-            if idle >= timeout:
-                if what == "exchange":
-                    what = f"exchange {self._label(comm_id)}"
-                raise CommTimeout(
-                    f"rank {self.rank}: no progress for {timeout:g} s in {what}; "
-                    f"{self._describe_pending(sends, recvs)}"
-                )
-            since_check = now - max(self._last_abort_check, start)
-            if since_check >= _ABORT_CHECK_INTERVAL:
-                self._last_abort_check = now
-                self._check_abort()
-                since_check = 0.0
-            wait = min(timeout - idle, _ABORT_CHECK_INTERVAL - since_check)
-            bell = self._bell
-            if bell is None or not self._shm_list:
-                self._select(wait)  # sockets only
-            elif self._needs_socket(sends, recvs):
-                # Some operation waits on a socket: sleep in select, poll the rings between.
-                slice_ = mixed if self._shm_pending(sends, recvs) else _MIXED_IDLE
-                self._select(min(wait, slice_))
-                mixed = min(2 * mixed, _MIXED_MAX)
-            elif now - self._last_socket_poll >= _SOCKET_POLL:
-                self._last_socket_poll = now
-                self._select(0)
-            elif not spun and self._spinner.bound:
-                spun = True
-                self._spin_shm(now)
-            else:
-                # Everything pending is on shared memory: arm, look once more, sleep.
-                bell.arm()
-                self._poll_shm()
-                if self._progressed or not self._npending:
-                    bell.disarm()
-                    continue
-                bell.wait(min(wait, _SOCKET_POLL))
+        progress = self._progress
+        sockets = self._sockets
+        rings = self._rings
 
-    def _select(self, timeout: float) -> None:
-        for key, mask in self._sel.select(timeout):
-            ch = key.data
-            if ch is None:
-                self._accept()
-                continue
-            if ch.state is _CLOSED:  # dropped earlier in this batch (duplicate, EOF)
-                continue
-            if mask & selectors.EVENT_READ:
-                self._read(ch)
-            if mask & selectors.EVENT_WRITE and ch.state is _OPEN:
-                self._flush(ch)
+        def done() -> bool:
+            return not progress.pending
 
-    def _needs_socket(self, sends: list[Send], recvs: list[Recv]) -> bool:
-        if self._connecting or self._awaiting or self._setup or self._accepting:
-            return True
-        shm = self._shm
-        me = self.rank
-        for s in sends:
-            if s.left and s.peer != me and s.peer not in shm:
-                return True
-        for r in recvs:
-            if not r.done and r.src not in shm:
-                return True
-        return any(ch.writing or ch.decoder.in_frame for ch in self._tcp.values())
+        def stalled() -> str:
+            doing = f"exchange {self._matching.label(comm_id)}" if what == "exchange" else what
+            return f"{doing}; {self._describe_pending(sends, recvs)}"
+
+        self._waiter.until(
+            done,
+            stalled,
+            needs_socket=lambda: sockets.pending(sends, recvs),
+            rings_pending=lambda: rings.pending(sends, recvs),
+        )
 
     def _describe_pending(self, sends: list[Send], recvs: list[Recv]) -> str:
         parts = [
@@ -612,64 +581,31 @@ class Transport(BoardEngine):
             for r in recvs
             if not r.done
         ]
-        waiting_fin = {id(s) for sp in self._shm_list for s in sp.rts}
+        waiting_fin = {id(s) for sp in self._rings.peer_list for s in sp.rts}
         parts += [f"send to rank {s.peer} ({s.left} bytes left)" for s in sends if s.left]
         parts += [f"send to rank {s.peer} (not yet read)" for s in sends if id(s) in waiting_fin]
         silent = sorted({r.src for r in recvs if not r.done} | {s.peer for s in sends if s.left})
-        unconnected = [p for p in silent if p >= 0 and p != self.rank and p not in self._conns]
+        unconnected = self._sockets.unconnected(silent)
         note = f"; not connected to ranks {unconnected}" if unconnected else ""
         return "still waiting: " + ", ".join(parts[:8]) + note
 
     def _break(self, exc: CommError) -> None:
         first = self._failure is None
         self._failure = exc
-        self._posted.clear()
-        self._posted_any.clear()
+        self._matching.clear()
         self._sendq.clear()
-        for sp in self._shm_list:
-            sp.rts.clear()
-        self._npending = 0
+        self._rings.clear()
+        self._progress.pending = 0
         if first:
-            self._note_leaving(exc)
+            self._faults.note_leaving(exc)
 
     # -- sending -------------------------------------------------------------------------------
     def _post_send(self, s: Send) -> None:
         peer = s.peer
         if peer == self.rank:
             self._send_to_self(s)
-            return
-        queue = self._sendq.get(peer)
-        sp = self._shm.get(peer)
-        if sp is not None:
-            if not queue and self._shm_write(sp, s):
-                if s.kind == RTS:
-                    sp.rts.append(s)
-                    self._npending += 1
-                return
         else:
-            ch = self._tcp.get(peer)
-            if ch is not None and not queue:
-                bufs = s.bufs
-                try:
-                    sent = ch.sock.send(bufs[0]) if len(bufs) == 1 else ch.sock.sendmsg(bufs)
-                except BlockingIOError:
-                    sent = 0
-                except OSError as exc:
-                    raise self._lost(ch, exc) from None
-                if sent == s.left:
-                    s.left = 0
-                    return
-                if sent:
-                    s.advance(sent)
-                    self._progressed = True
-            if ch is not None:
-                self._want_write(ch, True)
-            else:
-                self._ensure_connection(peer)
-        if queue is None:
-            queue = self._sendq[peer] = deque()
-        queue.append(s)
-        self._npending += 1
+            self._carriers[peer not in self._shm].post(s)  # rings, else sockets
 
     def _send_to_self(self, s: Send) -> None:
         data = b"".join(s.bufs)
@@ -678,305 +614,10 @@ class Transport(BoardEngine):
         header = dec.next_event()
         if not isinstance(header, wire.FrameHeader):  # pragma: no cover - we encoded it
             raise ProtocolError("self-send produced no frame")
-        target = self._target_for(header, self.rank)
+        target = self._matching.target_for(header, self.rank)
         dec.set_target(target[1])
         dec.next_event()
-        self._payload_done(target[0])
-
-    def _flush(self, ch: Channel) -> None:
-        sock = ch.sock
-        for queue, control in ((ch.ctrl, True), (self._sendq.get(ch.peer), False)):
-            if control is False and ch.peer not in self._tcp:
-                break  # data waits for the shared-memory set-up to end
-            while queue:
-                s = queue[0]
-                bufs = s.bufs
-                try:
-                    sent = sock.send(bufs[0]) if len(bufs) == 1 else sock.sendmsg(bufs)
-                except BlockingIOError:
-                    self._want_write(ch, True)
-                    return
-                except OSError as exc:
-                    raise self._lost(ch, exc) from None
-                self._progressed = True
-                if sent < s.left:
-                    s.advance(sent)
-                    self._want_write(ch, True)
-                    return
-                queue.popleft()
-                s.left = 0
-                if s.kind == PLAIN:
-                    self._npending -= 1
-        self._want_write(ch, False)
-
-    def _want_write(self, ch: Channel, on: bool) -> None:
-        if ch.writing != on:
-            ch.writing = on
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
-            self._sel.modify(ch.sock, events, ch)
-
-    def _flush_control(self) -> None:
-        """Write what the engine owes its peers (FINs, set-up frames), as far as possible."""
-        for sp in self._shm_list:
-            if self._sendq.get(sp.peer):
-                self._shm_flush(sp)
-        for ch in self._conns.values():
-            if ch.ctrl:
-                self._flush(ch)
-
-    # -- receiving -----------------------------------------------------------------------------
-    def _read(self, ch: Channel) -> None:
-        dec = ch.decoder
-        recv_into = ch.sock.recv_into
-        while True:
-            view = dec.recv_view()
-            try:
-                n = recv_into(view)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if ch.state is _ACCEPTING:
-                    self._drop(ch)
-                    return
-                raise self._lost(ch, exc) from None
-            if n == 0:
-                self._eof(ch)
-                return
-            self._progressed = True
-            dec.commit(n)
-            self._drain(ch)
-            if ch.state is _CLOSED or n < len(view):
-                return
-
-    def _drain(self, ch: Channel | ShmPeer) -> None:
-        dec = ch.decoder
-        while True:
-            try:
-                ev = dec.next_event()
-            except ProtocolError as exc:
-                if not ch.is_shm and ch.state is _ACCEPTING:  # type: ignore[union-attr]
-                    self._reject(ch, str(exc))  # type: ignore[arg-type]  # a stranger
-                    return
-                where = "shared memory" if ch.is_shm else ch.address  # type: ignore[union-attr]
-                raise ProtocolError(
-                    f"rank {self.rank}: bad bytes from rank {ch.peer} at {where}: {exc}"
-                ) from None
-            if ev is wire.NEED_DATA:
-                return
-            if ev is wire.PAYLOAD_DONE:
-                current = ch.current
-                ch.current = None
-                if type(current) is ShmMessage:
-                    self._on_shm_message(ch, current)  # type: ignore[arg-type]
-                else:
-                    self._payload_done(current)  # type: ignore[arg-type]
-                continue
-            if type(ev) is not wire.FrameHeader:
-                self._on_hello(ch, ev)  # type: ignore[arg-type]
-                if ch.state is _CLOSED:  # type: ignore[union-attr]
-                    return
-                continue
-            kind = ev.kind
-            if kind == wire.DATA or kind == wire.ARRAY:  # noqa: PLR1714 - the hot path
-                if not ch.is_shm and ch.state is not _OPEN:  # type: ignore[union-attr]
-                    raise ProtocolError(f"frame {ev!r} before the handshake completed")
-                ch.current, target = self._target_for(ev, ch.peer)
-                dec.set_target(target)
-            elif ch.is_shm and kind == wire.RTS:
-                self._on_rts(ch, ev)  # type: ignore[arg-type]
-            elif ch.is_shm and kind == wire.FIN:
-                self._on_fin(ch)  # type: ignore[arg-type]
-            elif not ch.is_shm and kind == wire.SHM and ch.state is _OPEN:  # type: ignore[union-attr]
-                msg = ShmMessage(ev.tag, ev.length)
-                ch.current = msg
-                dec.set_target(memoryview(msg.buf))
-            elif not ch.is_shm and kind == wire.GOODBYE:
-                ch.goodbye = True  # type: ignore[union-attr]
-                ch.current = None
-                dec.set_target(memoryview(bytearray(0)))
-            else:
-                where = "shared memory" if ch.is_shm else "its socket"
-                raise ProtocolError(
-                    f"rank {self.rank}: frame {ev!r} from rank {ch.peer} is not allowed on {where}"
-                )
-
-    # -- faults --------------------------------------------------------------------------------
-    #: A store operation of the failure path failed (see _store_op).
-    _store_lost = False
-
-    def _eof(self, ch: Channel) -> None:
-        peer = ch.peer
-        if ch.state is _ACCEPTING:
-            self._drop(ch)
-            return
-        sp = self._shm.get(peer)
-        if sp is not None:
-            self._shm_read(sp)  # what the peer wrote before it went is still ours
-        if ch.state is _CONNECTING or ch.decoder.in_frame:
-            raise self._lost(ch, ConnectionError("connection closed (EOF)"))
-        if sp is not None and sp.decoder.in_frame:
-            raise self._lost(ch, ConnectionError("it stopped writing its ring mid-frame"))
-        # Between frames: a peer that closed (GOODBYE) or simply exited after its last
-        # operation is only an error if this rank still needs it, now or later.
-        waits = self._waits_on(peer)
-        self._drop(ch)
-        self._gone[peer] = _GOODBYE if ch.goodbye else _NO_GOODBYE
-        if waits:
-            raise self._gone_error(peer, "wait for")
-
-    def _gone_error(self, peer: int, action: str) -> PeerError:
-        how = self._gone[peer]
-        if how is _GOODBYE:
-            # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
-            reason = f"rank {peer} {how} (seen by rank {self.rank})"
-            current = self._swap_abort(AbortRecord(peer, reason))
-            if current is not None and current.mismatch:
-                raise MismatchError(current.reason)  # it left after the ranks disagreed
-            blamed = peer
-        else:
-            reason, blamed = self._blame(peer, how)
-        return PeerError(f"rank {self.rank}: cannot {action} rank {peer}: {reason}", blamed)
-
-    def _waits_on(self, peer: int) -> bool:
-        sp = self._shm.get(peer)
-        return (
-            bool(self._sendq.get(peer))
-            or (sp is not None and bool(sp.rts))
-            or any(key[1] == peer and q for key, q in self._posted.items())
-        )
-
-    def _lost(self, ch: Channel, exc: BaseException) -> PeerError:
-        """Drop the broken channel of a known peer; publish and return the error to raise."""
-        peer = ch.peer
-        self._drop(ch)
-        reason, blamed = self._blame(peer, str(exc), f"connection to {ch.address}, ")
-        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
-
-    def _peer_died(self, peer: int, how: str) -> PeerError:
-        """The error for a same-host peer whose process is gone (``how`` says how we saw it)."""
-        reason, blamed = self._blame(peer, how)
-        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
-
-    def _blame(self, peer: int, how: str, where: str = "") -> tuple[str, int]:
-        """Say who failed when ``peer`` went away without a goodbye, and publish it if first.
-
-        A rank that fails publishes its abort record (or finds one) and notes why it gives
-        up (:data:`LEFT_KEY`) before it raises, so before it can close its channels. So a
-        record already in the store that names another rank is the failure ``peer`` left
-        after: ``peer`` is a survivor, and the report names the rank that really failed. A
-        note without such a record says ``peer`` left after its own error (a timeout): it
-        is blamed, but not called dead, and no record is written (timeouts write none).
-        Only with neither is ``peer`` taken for dead.
-
-        Returns:
-            The reason to report and the global rank to blame.
-        """
-        seen = f"{where}seen by rank {self.rank}"
-        record = self._read_abort()
-        if record is not None and record.mismatch:
-            # It left after the ranks disagreed on a call: that is the error, in words.
-            raise MismatchError(record.reason)
-        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
-        if why is not None:
-            # It failed and left: not a death, and (as for timeouts) no abort record; a
-            # failure the abort record names came first and is the one to blame.
-            reason = f"rank {peer} left after its own error ({why}; {seen})"
-            return self._after(self._read_abort(), peer, how, seen) or (reason, peer)
-        reason = f"rank {peer} died: {how} ({seen})"
-        record = self._swap_abort(AbortRecord(peer, reason))
-        if record is None:
-            # No store (it may have died with its host): a death this rank saw itself earlier
-            # stands in for the abort record.
-            earlier = [g for g, went in self._gone.items() if went is _NO_GOODBYE and g != peer]
-            if earlier:
-                why = f"rank {earlier[0]} died: {_NO_GOODBYE} (seen by rank {self.rank} earlier)"
-                record = AbortRecord(earlier[0], why)
-        return self._after(record, peer, how, seen) or (reason, peer)
-
-    def _note_leaving(self, exc: CommError) -> None:
-        """Say in the store why this rank is giving up, before it can close its channels, so
-        that a peer that sees it go does not take it for dead."""
-        note = f"{type(exc).__name__}: {exc}"[:_NOTE_MAX]
-        self._store_op(lambda: self._store.set(LEFT_KEY + str(self.rank), note))
-
-    def _left_after_failure(self, peer: int, how: str) -> PeerError | None:
-        """The error for a same-host peer whose buffer went away under a copy, if it failed or
-        left after a failure the abort record names (it stopped waiting for us and freed
-        the buffer); None without a record (the ranks disagree: a protocol error)."""
-        record = self._read_abort()
-        if record is None:
-            return None
-        seen = f"seen by rank {self.rank}"
-        if record.rank == peer:
-            return PeerError(f"rank {self.rank}: peer {record} (then: {how}, {seen})", peer)
-        found = self._after(record, peer, how, seen)
-        return PeerError(f"rank {self.rank}: {found[0]}", found[1]) if found else None
-
-    def _after(
-        self, record: AbortRecord | None, peer: int, how: str, seen: str
-    ) -> tuple[str, int] | None:
-        """When ``record`` names a failure of another rank than ``peer`` and this one: the
-        report that ``peer`` left after it, and that rank."""
-        first = record.rank if record is not None else None
-        if first is None or first in (peer, self.rank):
-            return None
-        return f"{record}; rank {peer} left after that failure ({how}, {seen})", first
-
-    def _publish_abort(self, record: AbortRecord) -> None:
-        self._swap_abort(record)
-
-    def _swap_abort(self, record: AbortRecord) -> AbortRecord | None:
-        """Publish ``record`` unless a record exists; return the one in the store (None: the
-        store did not answer)."""
-        current = self._store_op(lambda: self._store.compare_set(ABORT_KEY, b"", record.encode()))
-        return None if current is None else AbortRecord.decode(bytes(current), self.size)
-
-    def _read_abort(self) -> AbortRecord | None:
-        raw = self._store_op(lambda: self._read_raw(ABORT_KEY))
-        return None if raw is None else AbortRecord.decode(raw, self.size)
-
-    def _store_op(self, op: Callable[[], _T]) -> _T | None:
-        """Run a store operation of the failure path; None if the store did not answer.
-
-        The store may be gone with its host, which must not mask the error; after one failed
-        operation the others are skipped: each could spend the store's whole timeout trying
-        to reconnect.
-        """
-        if self._store_lost:
-            return None
-        try:
-            return op()
-        except (MeshCommError, OSError):
-            self._store_lost = True
-            return None
-
-    def _read_key(self, key: str) -> str | None:
-        raw = self._read_raw(key)
-        return None if raw is None else raw.decode(errors="replace")
-
-    def _read_raw(self, key: str) -> bytes | None:
-        if not self._store.check([key]):
-            return None
-        return bytes(self._store.get(key))
-
-    def _check_abort(self) -> None:
-        try:
-            raw = self._read_raw(ABORT_KEY)
-        except (StoreError, OSError):
-            return  # an unreachable store is not a verdict; the timeout still bounds us
-        if raw is None:
-            return
-        record = AbortRecord.decode(raw, self.size)
-        if record.mismatch:
-            raise MismatchError(record.reason)  # every rank raises the same words
-        raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", record.rank)
-
-    def publish_mismatch(self, reason: str) -> str:
-        """Publish a mismatch (both calls in words) as the abort record, so that every rank
-        of this transport raises it; return the mismatch to raise here: the first one
-        published (another rank may have seen the same mismatch first)."""
-        current = self._swap_abort(AbortRecord(None, reason, mismatch=True))
-        return current.reason if current is not None and current.mismatch else reason
+        self._matching.payload_done(target[0])
 
 
 def _replay(exc: CommError) -> CommError:

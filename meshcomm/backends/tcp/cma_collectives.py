@@ -1,4 +1,5 @@
-"""Same-host collectives in one or two rounds: ranks copy straight between each other's buffers.
+"""CMA collectives: same-host collectives in one or two rounds, ranks copying straight between
+each other's buffers with ``process_vm_readv`` / ``process_vm_writev``.
 
 When every member of a communicator is a shared-memory peer whose memory this process can
 read and write with ``process_vm_readv`` / ``process_vm_writev`` (and that can do the same to
@@ -35,7 +36,8 @@ that dies makes the next copy fail with ``ESRCH`` or the next round see its EOF:
 :class:`~meshcomm.errors.PeerError` naming it. A frozen peer makes a round time out.
 
 Knob: ``MESHCOMM_SHM_DIRECT_MIN`` (bytes; the smallest size that takes this path, see
-:func:`direct_min`; ``0`` or negative: never), read once at import.
+:func:`min_bytes`; ``0`` or negative: never), read once at import. The variable keeps the
+name it had when these were called "the direct path".
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ from meshcomm.reduction import PRIMITIVE_OP_KINDS, ReduceOp
 if TYPE_CHECKING:
     from meshcomm.backends.tcp.link import TcpLink
 
-__all__ = ["DIRECT_MIN_BYTES", "PIECE_BYTES", "Direct", "direct_min"]
+__all__ = ["MIN_BYTES", "PIECE_BYTES", "CmaCollectives", "flat_vector", "min_bytes", "op_allowed"]
 
 #: The smallest buffer (all_reduce, broadcast), result (all_gather) or input (reduce_scatter)
-#: that takes the direct path. Below it the step-by-step algorithms win: at 4 ranks on 2 cores
+#: that takes the CMA collectives. Below it the step-by-step algorithms win: at 4 ranks on 2 cores
 #: an all-to-all round costs about as much as two pairwise steps, and the small algorithms
 #: need few steps (measured on the 2-core VM at 2 and 4 ranks: the crossover lies between
 #: 128 KiB and 1 MiB for these collectives, noisily).
-DIRECT_MIN_BYTES = 256 << 10
+MIN_BYTES = 256 << 10
 #: Reductions read peers' blocks in pieces of this size and fold each into the result while
 #: it is still in the cache (1 MiB: the L2 of a core here; 64 and 256 KiB pieces were slower
 #: by up to 1.5x at 64 MiB, the per-piece calls dominating, and 4 MiB ones no faster).
@@ -67,14 +69,14 @@ PIECE_BYTES = 1 << 20
 
 
 # Read once: every rank must choose the same path for the same call.
-_MIN = size_threshold("MESHCOMM_SHM_DIRECT_MIN", DIRECT_MIN_BYTES)
+_MIN = size_threshold("MESHCOMM_SHM_DIRECT_MIN", MIN_BYTES)
 
 
-def direct_min(size: int) -> int:
-    """The smallest size (bytes) that takes the direct path on ``size`` ranks; -1: never.
+def min_bytes(size: int) -> int:
+    """The smallest size (bytes) that takes the CMA collectives on ``size`` ranks; -1: never.
 
     Example:
-        >>> direct_min(4) > 0, direct_min(1)
+        >>> min_bytes(4) > 0, min_bytes(1)
         (True, -1)
     """
     if size < 2:
@@ -82,11 +84,25 @@ def direct_min(size: int) -> int:
     return _MIN
 
 
-def _op_ok(op: object, dtype: np.dtype) -> bool:
+def op_allowed(op: object, dtype: np.dtype) -> bool:
+    """Whether ``op`` is a primitive reduce op defined for ``dtype``'s kind.
+
+    Example:
+        >>> op_allowed(ReduceOp.SUM, np.dtype(np.float32))
+        True
+        >>> op_allowed(ReduceOp.BAND, np.dtype(float))
+        False
+    """
     return (op, dtype.kind) in PRIMITIVE_OP_KINDS
 
 
-def _flat(arr: object, writable: bool) -> bool:
+def flat_vector(arr: object, writable: bool) -> bool:
+    """Whether ``arr`` is a 1-D C-contiguous numpy array (and writable, where asked).
+
+    Example:
+        >>> flat_vector(np.zeros(3), True), flat_vector(np.zeros((2, 2)), False)
+        (True, False)
+    """
     return (
         isinstance(arr, np.ndarray)
         and arr.ndim == 1
@@ -95,11 +111,11 @@ def _flat(arr: object, writable: bool) -> bool:
     )
 
 
-class Direct:
-    """The direct collectives of one communicator (see the module docstring).
+class CmaCollectives:
+    """The CMA collectives of one communicator (see the module docstring).
 
     Methods return False, having done nothing, when the call should take the step-by-step
-    algorithms instead: a size below :func:`direct_min`, a world where some pair cannot read
+    algorithms instead: a size below :func:`min_bytes`, a world where some pair cannot read
     each other, or arguments that are not well formed (the algorithms then raise the error).
 
     Args:
@@ -110,12 +126,12 @@ class Direct:
         self.link = link
         self.rank = link.rank
         self.size = link.size
-        self.min_bytes = direct_min(link.size)
+        self.min_bytes = min_bytes(link.size)
         self._verdict: bool | None = None
         self._order = [(link.rank + k) % link.size for k in range(1, link.size)]
         self._global = link.global_ranks
-        self._read = link.transport.read_peer
-        self._write = link.transport.write_peer
+        self._read = link.transport.memory.read
+        self._write = link.transport.memory.write
         self._token = np.zeros(1, np.uint64)
         self._probe = np.zeros(1, np.uint64)  # peers write here to see that they can
         self._scratch = np.empty(0, np.uint8)
@@ -132,12 +148,12 @@ class Direct:
         # The first round opens every pair's channel (shared memory is set up, or not, before
         # a pair's first message moves) and tells every rank where to probe writing to us;
         # then every rank says what it found.
-        transport = self.link.transport
+        memory = self.link.transport.memory
         probes = self._round(np.array([self._probe.ctypes.data], np.uint64)).tolist()
-        ok = transport.reads_all(self._global[j] for j in self._order)
+        ok = memory.reads_all(self._global[j] for j in self._order)
         source = self._token.ctypes.data
         for j in self._order:
-            ok = ok and transport.writes_to(self._global[j], probes[j][0], 8, source)
+            ok = ok and memory.writes_to(self._global[j], probes[j][0], 8, source)
         verdict = bool(self._round(np.array([ok], np.uint64)).all())
         return verdict
 
@@ -198,11 +214,11 @@ class Direct:
     def all_reduce(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
         """Reduce ``send`` into ``recv`` (``send`` may be ``recv``); False: not taken."""
         if not (
-            _flat(recv, True)
-            and _flat(send, False)
+            flat_vector(recv, True)
+            and flat_vector(send, False)
             and send.dtype == recv.dtype
             and send.size == recv.size
-            and _op_ok(op, recv.dtype)
+            and op_allowed(op, recv.dtype)
             and self._wanted(recv.nbytes)
         ):
             return False
@@ -227,11 +243,11 @@ class Direct:
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
         """Block r of the reduction of every ``send`` into rank r's ``recv``; False: not taken."""
         if not (
-            _flat(recv, True)
-            and _flat(send, False)
+            flat_vector(recv, True)
+            and flat_vector(send, False)
             and send.dtype == recv.dtype
             and send.size == self.size * recv.size
-            and _op_ok(op, recv.dtype)
+            and op_allowed(op, recv.dtype)
             and self._wanted(send.nbytes)
         ):
             return False
@@ -247,8 +263,8 @@ class Direct:
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> bool:
         """Every rank's ``send`` into every ``recv``, by rank; False: not taken."""
         if not (
-            _flat(recv, True)
-            and _flat(send, False)
+            flat_vector(recv, True)
+            and flat_vector(send, False)
             and send.dtype == recv.dtype
             and recv.size == self.size * send.size
             and self._wanted(recv.nbytes)
@@ -274,14 +290,14 @@ class Direct:
         With ``send`` on root, peers read ``send`` while root copies it into its ``buf``.
         """
         if not (
-            _flat(buf, True)
+            flat_vector(buf, True)
             and isinstance(root, int)
             and not isinstance(root, bool)
             and 0 <= root < self.size
             and (
                 send is None
                 or self.rank != root
-                or (_flat(send, False) and send.dtype == buf.dtype and send.size == buf.size)
+                or (flat_vector(send, False) and send.dtype == buf.dtype and send.size == buf.size)
             )
             and self._wanted(buf.nbytes)
         ):

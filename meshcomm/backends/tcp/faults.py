@@ -1,0 +1,249 @@
+"""Who failed, in words every rank agrees on: the tcp transport's failure path.
+
+One :class:`Faults` per transport holds the peers whose connection ended between frames,
+and the store keys every rank of the transport reads when something goes wrong:
+
+* the abort record (:data:`ABORT_KEY`, :class:`~meshcomm.backends.tcp.abort.AbortRecord`):
+  the first failure seen, written once (the first writer wins); every rank blocked in a call
+  reads it about once a second (:meth:`Faults.check_abort`), so ranks with no connection to
+  the failed one fail too;
+* a note per rank (:data:`LEFT_KEY`): why that rank gave up (its first error), written before
+  it can close its channels, so a peer that sees it leave names the first failure instead of
+  calling it dead (:meth:`Faults.blame`).
+
+The store may be gone with its host; that must not mask the error, so after one failed store
+operation of this path the others are skipped.
+
+Example:
+    >>> ABORT_KEY
+    'meshcomm/tcp/abort'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from meshcomm.backends.tcp.abort import AbortRecord
+from meshcomm.errors import (
+    CommError,
+    MeshCommError,
+    MismatchError,
+    PeerError,
+    ProtocolError,
+    StoreError,
+)
+from meshcomm.store.base import Store
+
+__all__ = ["ABORT_KEY", "GOODBYE", "LEFT_KEY", "NO_GOODBYE", "Faults"]
+
+ABORT_KEY = "meshcomm/tcp/abort"
+#: + the rank: why a rank gave up (its first error), written before it can leave.
+LEFT_KEY = "meshcomm/tcp/left/"
+#: How a peer that said GOODBYE went.
+GOODBYE = "closed its communicator"
+#: How a peer whose socket ended between frames without a GOODBYE went.
+NO_GOODBYE = "its connection closed (EOF) without a goodbye"
+_NOTE_MAX = 1000
+_T = TypeVar("_T")
+
+
+class Faults:
+    """The failure path of one transport (see the module docstring).
+
+    Args:
+        rank: this process's global rank.
+        size: the world size.
+        store: the job's store (the transport's keys).
+
+    Attributes:
+        gone: peers whose connection ended between frames, and how (``GOODBYE`` or
+            ``NO_GOODBYE``).
+
+    Example:
+        >>> from meshcomm.store import HashStore
+        >>> faults = Faults(0, 2, HashStore())
+        >>> faults.check_abort()  # no record: nothing to raise
+    """
+
+    def __init__(self, rank: int, size: int, store: Store) -> None:
+        self.rank = rank
+        self.size = size
+        self.gone: dict[int, str] = {}
+        self._store = store
+        self._store_lost = False  # a store operation of the failure path failed
+
+    # -- errors ----------------------------------------------------------------------------
+    def gone_error(self, peer: int, action: str) -> PeerError:
+        """The error for a call that needs ``peer``, gone between frames."""
+        how = self.gone[peer]
+        if how is GOODBYE:
+            # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
+            reason = f"rank {peer} {how} (seen by rank {self.rank})"
+            current = self._swap_abort(AbortRecord(peer, reason))
+            if current is not None and current.mismatch:
+                raise MismatchError(current.reason)  # it left after the ranks disagreed
+            blamed = peer
+        else:
+            reason, blamed = self.blame(peer, how)
+        return PeerError(f"rank {self.rank}: cannot {action} rank {peer}: {reason}", blamed)
+
+    def lost(self, peer: int, address: str, exc: BaseException) -> PeerError:
+        """The error for ``peer``'s broken connection (published if it is the first)."""
+        reason, blamed = self.blame(peer, str(exc), f"connection to {address}, ")
+        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def peer_died(self, peer: int, how: str) -> PeerError:
+        """The error for a same-host peer whose process is gone (``how`` says how we saw it)."""
+        reason, blamed = self.blame(peer, how)
+        return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def copy_failed(
+        self, peer: int, what: str, nbytes: int, remote: int, exc: OSError, dead: bool
+    ) -> CommError:
+        """The error for a ``process_vm_readv/writev`` of same-host ``peer`` that failed.
+
+        Args:
+            peer: the peer's global rank.
+            what: ``"read"`` or ``"write"``.
+            nbytes: the bytes of the copy.
+            remote: the address in the peer.
+            exc: the kernel's error.
+            dead: the peer's process is gone (``ESRCH``).
+        """
+        if dead:
+            return self.peer_died(peer, "its process is gone")
+        how = f"cannot {what} {nbytes} bytes of it at {remote:#x}: {exc}"
+        return self.left_after_failure(peer, how) or ProtocolError(
+            f"rank {self.rank}: cannot {what} {nbytes} bytes of rank {peer} at {remote:#x}: {exc}"
+        )
+
+    def blame(self, peer: int, how: str, where: str = "") -> tuple[str, int]:
+        """Say who failed when ``peer`` went away without a goodbye, and publish it if first.
+
+        A rank that fails publishes its abort record (or finds one) and notes why it gives
+        up (:data:`LEFT_KEY`) before it raises, so before it can close its channels. So a
+        record already in the store that names another rank is the failure ``peer`` left
+        after: ``peer`` is a survivor, and the report names the rank that really failed. A
+        note without such a record says ``peer`` left after its own error (a timeout): it
+        is blamed, but not called dead, and no record is written (timeouts write none).
+        Only with neither is ``peer`` taken for dead.
+
+        Returns:
+            The reason to report and the global rank to blame.
+        """
+        seen = f"{where}seen by rank {self.rank}"
+        record = self.read_abort()
+        if record is not None and record.mismatch:
+            # It left after the ranks disagreed on a call: that is the error, in words.
+            raise MismatchError(record.reason)
+        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
+        if why is not None:
+            # It failed and left: not a death, and (as for timeouts) no abort record; a
+            # failure the abort record names came first and is the one to blame.
+            reason = f"rank {peer} left after its own error ({why}; {seen})"
+            return self._after(self.read_abort(), peer, how, seen) or (reason, peer)
+        reason = f"rank {peer} died: {how} ({seen})"
+        record = self._swap_abort(AbortRecord(peer, reason))
+        if record is None:
+            # No store (it may have died with its host): a death this rank saw itself earlier
+            # stands in for the abort record.
+            earlier = [g for g, went in self.gone.items() if went is NO_GOODBYE and g != peer]
+            if earlier:
+                why = f"rank {earlier[0]} died: {NO_GOODBYE} (seen by rank {self.rank} earlier)"
+                record = AbortRecord(earlier[0], why)
+        return self._after(record, peer, how, seen) or (reason, peer)
+
+    def note_leaving(self, exc: CommError) -> None:
+        """Say in the store why this rank is giving up, before it can close its channels, so
+        that a peer that sees it go does not take it for dead."""
+        note = f"{type(exc).__name__}: {exc}"[:_NOTE_MAX]
+        self._store_op(lambda: self._store.set(LEFT_KEY + str(self.rank), note))
+
+    def left_after_failure(self, peer: int, how: str) -> PeerError | None:
+        """The error for a same-host peer whose buffer went away under a copy, if it failed or
+        left after a failure the abort record names (it stopped waiting for us and freed
+        the buffer); None without a record (the ranks disagree: a protocol error)."""
+        record = self.read_abort()
+        if record is None:
+            return None
+        seen = f"seen by rank {self.rank}"
+        if record.rank == peer:
+            return PeerError(f"rank {self.rank}: peer {record} (then: {how}, {seen})", peer)
+        found = self._after(record, peer, how, seen)
+        return PeerError(f"rank {self.rank}: {found[0]}", found[1]) if found else None
+
+    def _after(
+        self, record: AbortRecord | None, peer: int, how: str, seen: str
+    ) -> tuple[str, int] | None:
+        """When ``record`` names a failure of another rank than ``peer`` and this one: the
+        report that ``peer`` left after it, and that rank."""
+        first = record.rank if record is not None else None
+        if first is None or first in (peer, self.rank):
+            return None
+        return f"{record}; rank {peer} left after that failure ({how}, {seen})", first
+
+    # -- the abort record --------------------------------------------------------------------
+    def publish_abort(self, record: AbortRecord) -> None:
+        """Publish ``record`` unless a record exists already."""
+        self._swap_abort(record)
+
+    def publish_mismatch(self, reason: str) -> str:
+        """Publish a mismatch (both calls in words) as the abort record; return the first one
+        published (another rank may have seen the same mismatch first)."""
+        current = self._swap_abort(AbortRecord(None, reason, mismatch=True))
+        return current.reason if current is not None and current.mismatch else reason
+
+    def _swap_abort(self, record: AbortRecord) -> AbortRecord | None:
+        """Publish ``record`` unless a record exists; return the one in the store (None: the
+        store did not answer)."""
+        current = self._store_op(lambda: self._store.compare_set(ABORT_KEY, b"", record.encode()))
+        return None if current is None else AbortRecord.decode(bytes(current), self.size)
+
+    def read_abort(self) -> AbortRecord | None:
+        """The abort record in the store, if any (None too when the store does not answer)."""
+        raw = self._store_op(lambda: self._read_raw(ABORT_KEY))
+        return None if raw is None else AbortRecord.decode(raw, self.size)
+
+    def check_abort(self) -> None:
+        """Raise the failure another rank published, if one did.
+
+        Raises:
+            MismatchError: the ranks called different collectives (the same words on all).
+            PeerError: another rank reported a failure (names the rank it blames).
+        """
+        try:
+            raw = self._read_raw(ABORT_KEY)
+        except (StoreError, OSError):
+            return  # an unreachable store is not a verdict; the timeout still bounds us
+        if raw is None:
+            return
+        record = AbortRecord.decode(raw, self.size)
+        if record.mismatch:
+            raise MismatchError(record.reason)  # every rank raises the same words
+        raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", record.rank)
+
+    # -- the store -------------------------------------------------------------------------
+    def _store_op(self, op: Callable[[], _T]) -> _T | None:
+        """Run a store operation of the failure path; None if the store did not answer.
+
+        The store may be gone with its host, which must not mask the error; after one failed
+        operation the others are skipped: each could spend the store's whole timeout trying
+        to reconnect.
+        """
+        if self._store_lost:
+            return None
+        try:
+            return op()
+        except (MeshCommError, OSError):
+            self._store_lost = True
+            return None
+
+    def _read_key(self, key: str) -> str | None:
+        raw = self._read_raw(key)
+        return None if raw is None else raw.decode(errors="replace")
+
+    def _read_raw(self, key: str) -> bytes | None:
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key))
