@@ -67,21 +67,20 @@ Example:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
-from types import ModuleType
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _call_checks, _fingerprint, _ledger, _lower, _staging
-from meshcomm import trace as _trace
+from meshcomm import _fingerprint, _lower, _staging
 from meshcomm._arrays import ResultPool
 from meshcomm._fingerprint import DEBUG_ENV_VARS
-from meshcomm.backends.base import Communicator, Runner
+from meshcomm._issuing import Issuer
+from meshcomm._subgroups import SubGroups
+from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
-from meshcomm.errors import CommError, CommTimeout, InvalidArgument, MismatchError
+from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 from meshcomm.work import ProgressEngine, Work
@@ -102,7 +101,7 @@ _POOLED = ResultPool.MIN_BYTES
 _SEQ_MASK = (1 << _fingerprint.SEQ_BITS) - 1
 
 
-class ProcessGroup:
+class ProcessGroup(SubGroups):
     """A group of ranks with functional collectives (JAX semantics, torch names).
 
     Args:
@@ -145,26 +144,25 @@ class ProcessGroup:
         # themselves and never wait for another group's (MPI and NCCL order per communicator
         # too), so mesh axes overlap and threads on different groups cannot deadlock.
         pools = None if _parent is None else (_parent._engine.pool, _parent._engine.results)
-        self._engine: ProgressEngine = ProgressEngine(f"rank {me} in group {name!r}", pools)
+        engine = ProgressEngine(f"rank {me} in group {name!r}", pools)
         if _parent is None:
             level = _fingerprint.level()
-            self._debug = level == _fingerprint.DETAIL if debug is None else bool(debug)
-            self._checks = level != _fingerprint.OFF
+            debug = level == _fingerprint.DETAIL if debug is None else bool(debug)
+            checks = level != _fingerprint.OFF
         else:
-            self._debug = _parent._debug if debug is None else bool(debug)
-            self._checks = _parent._checks
-        # Default checks (not DETAIL, not OFF): the communicator carries each call's stamp
-        # (its holder's ``stamp``) where it can; see _fingerprint and _call_checks.
-        checked = self._checks and not self._debug and comm.size > 1  # one rank agrees
-        holder = comm.stamp_holder() if checked else None
-        self._stamper: Any = holder
-        # Backends without stamps (mpi): the signatures checked once (_fingerprint.check_first);
-        # None: no such checks (stamps, DETAIL, OFF, or a group of one).
-        self._seen: set[int] | None = None
-        if checked and holder is None:
-            self._seen = set()
-        self._seq = 0
-        self._book = _ledger.Ledger(_ledger.ledger_length())
+            debug = _parent.debug if debug is None else bool(debug)
+            checks = _parent._issuer.checks
+        # Its calls run through the issuer (checks, engine, ledger, plans); the names below
+        # are the issuer's, for the hot paths and the tools that read a group's ledger.
+        issuer = Issuer(self, comm, engine, self._where, debug, checks)
+        self._issuer: Issuer = issuer
+        self._engine: ProgressEngine = engine
+        self._book = issuer.book
+        self._plans = issuer.plans
+        self._enter = issuer.enter
+        self._issue = issuer.issue
+        self._plan = issuer.plan
+        self._run_plan = issuer.run_plan
         self._children = 0
         # Closing a group closes the groups made from it first (they may share its
         # communicator's resources: the MPI world, the tcp store).
@@ -172,11 +170,6 @@ class ProcessGroup:
         if _parent is not None:
             _parent._kids.append(self)
         self._closed = False
-        # One lowering context per operation name, made on first use: the per-call path
-        # then does no string formatting and no allocation for it.
-        self._calls: dict[str, _lower.Call] = {}
-        # One plan per call signature (_lower.Plan), made on first use, dropped by close().
-        self._plans: dict[tuple[Any, ...], _lower.Plan] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -222,12 +215,12 @@ class ProcessGroup:
         self._comm.describe_as(text)
         me = self.ranks[self.rank]
         self._where = f"rank {me} in group {self.name!r} {text} (size {self.size})"
-        self._calls.clear()  # their messages were made with the old words
+        self._issuer.relabel(self._where)
 
     @property
     def debug(self) -> bool:
         """True if collectives check fingerprints first (``MESHCOMM_DEBUG=DETAIL``)."""
-        return self._debug
+        return self._issuer.debug
 
     @property
     def closed(self) -> bool:
@@ -255,7 +248,7 @@ class ProcessGroup:
     @property
     def seq(self) -> int:
         """The number of collectives issued on this group so far (the op sequence number)."""
-        return self._seq
+        return self._issuer.seq
 
     def global_rank(self, group_rank: int) -> int:
         """Return the world rank of ``group_rank``.
@@ -267,8 +260,9 @@ class ProcessGroup:
             >>> ProcessGroup(SelfCommunicator()).global_rank(0)
             0
         """
-        where = f"global_rank: {self._where}"
-        return self.ranks[_lower.rank_arg(self._call(where), group_rank, "group_rank")]
+        engine = self._engine
+        call = _lower.Call(self._comm, engine.pool, f"global_rank: {self._where}", engine.results)
+        return self.ranks[_lower.rank_arg(call, group_rank, "group_rank")]
 
     def group_rank(self, global_rank: int) -> int:
         """Return the group rank of world rank ``global_rank``.
@@ -294,92 +288,6 @@ class ProcessGroup:
             f"<ProcessGroup {self.name!r} rank={self.rank} size={self.size} "
             f"backend={self.backend!r}{state}>"
         )
-
-    # -- issuing -------------------------------------------------------------------------
-    def _call(self, where: str) -> _lower.Call:
-        engine = self._engine
-        return _lower.Call(self._comm, engine.pool, where, engine.results)
-
-    def _enter(self, op: str) -> _lower.Call:
-        """Refuse a closed or failed group; return the call context for lowering ``op``."""
-        if self._closed or not self._engine.healthy:
-            if self._closed:
-                raise CommError(f"{op}: {self._where}: the group was closed")
-            self._engine.check(f"{op} on {self._where}")
-        call = self._calls.get(op)
-        if call is None:
-            call = self._calls[op] = self._call(f"{op}: {self._where}")
-        return call
-
-    def _issue(
-        self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
-    ) -> Any:
-        """Run a lowered call in the world's order (after a fingerprint check in debug mode).
-
-        ``device``: the array module (cupy) the input came from; the result goes back to it.
-        """
-        body, fields = lowered
-        if device is not None:
-            on_host = body
-
-            def body() -> Any:
-                return _staging.to_device(device, on_host())
-
-        if fields is None:  # point to point: no sequence number, no fingerprint
-            return self._engine.submit(body, f"{op} on {self._where}", bool(async_op))
-        self._seq = seq = self._seq + 1
-        label = f"{op} (op #{seq}) on {self._where}"
-        if self._debug:
-            row = _fingerprint.encode(op, seq, on_device=device is not None, **fields)
-            comm, ranks, unchecked = self._comm, self.ranks, body
-
-            def body() -> Any:
-                _fingerprint.check(comm, row, ranks, label)
-                return unchecked()
-
-        recorder = _trace.active
-        if recorder is not None:
-            body = _call_checks.traced(recorder, body, self.name, op, seq, fields)
-        book = self._book
-        lowered_fields = fields
-        if device is not None:
-            fields = {**fields, "device": True}  # for the ledger
-        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
-        if self._stamper is not None:
-            sig = _fingerprint.signature_of(op, fields, device is not None)
-            body = _call_checks.stamped(
-                body, self._stamper, _fingerprint.stamp(sig, seq), self._words(op, seq, entry)
-            )
-        elif self._seen is not None:
-            sig = _fingerprint.signature_of(op, fields, device is not None)
-            if sig not in self._seen:
-                on_device = device is not None
-                row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
-                what = f"{op} (op #{seq}) on {self._where}"
-                body = _call_checks.checked_first(
-                    self, self._comm, body, row, sig, self._seen, op, seq, what, entry
-                )
-        if entry is not None and async_op:
-            body = _call_checks.booked(entry, body)  # it ends on the engine's thread
-        try:
-            result = self._engine.submit(body, label, bool(async_op))
-        except BaseException as exc:
-            # In flight while judged: the others' verdicts find this rank in it meanwhile.
-            judged = (
-                _call_checks.judged(self, exc, op, seq, entry)
-                if isinstance(exc, CommTimeout)
-                else exc
-            )
-            book.end(entry, True)
-            if judged is exc:
-                raise
-            raise judged from exc
-        if not async_op:
-            book.end(entry, False)
-        elif isinstance(result, Work):
-            # Its own timeout, raised on the engine's thread, gets the verdict in wait().
-            result._judge = lambda exc: _call_checks.judged(self, exc, op, seq, entry)
-        return result
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
@@ -423,89 +331,6 @@ class ProcessGroup:
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
         return self._issue("all_reduce", lowered, async_op, dev)
-
-    # -- plans ---------------------------------------------------------------------------
-    def _plan(self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any) -> Any:
-        """The plan of a signature seen for the first time: ``make(call, *args)`` checks
-        everything (every error raised here, before any I/O); kept under ``key``."""
-        plan = make(self._enter(key[0]), *args)
-        plans = self._plans
-        try:
-            if len(plans) >= _PLANS:
-                del plans[next(iter(plans))]
-            plans[key] = plan
-        except TypeError:  # an unhashable argument that the checks accept (tiled=[1])
-            pass
-        return plan
-
-    def _run_plan(self, plan: _lower.Plan, run: Runner, x: np.ndarray) -> Any:
-        """Run ``plan`` on ``x`` (a C-contiguous numpy array in the plan's layout): a fresh
-        result filled by ``run(x, result)`` (``plan.run``).
-
-        The fast case runs it here, on the claimed engine, with only the ledger entry and
-        the stamp around it (computed inline: a function call is a tenth of what this
-        costs; at 8 bytes MPI takes about 1 us, and with more ranks than cores every layer
-        here costs several times its own time). A call that needs more (a ``DETAIL`` or
-        first-call check, a trace) or finds the engine busy (queued work, another thread,
-        a failed or closed group) runs the same runner through :meth:`_issue`.
-        """
-        engine = self._engine
-        count, shape = plan.count, plan.shape
-        if count * x.itemsize < _POOLED:
-            out = np.empty(shape, x.dtype)
-        else:
-            out = engine.results.take(x.dtype, count).reshape(shape)
-        seen = self._seen
-        if (
-            self._debug
-            or _trace.active is not None
-            or (seen is not None and plan.sig not in seen)
-            or not engine.claim()
-        ):
-
-            def body() -> np.ndarray:
-                run(x, out)
-                return out
-
-            return self._issue(plan.collective, (body, plan.fields), False)
-        self._seq = seq = self._seq + 1
-        name, book = plan.collective, self._book
-        entry = book.add(seq, name, x.dtype, x.shape, plan.fields)
-        stamper = self._stamper
-        if stamper is not None:
-            stamper.stamp = plan.stamp_base | (seq & _SEQ_MASK)
-        try:
-            run(x, out)
-            book.end(entry, False)
-        except BaseException as exc:
-            label = f"{name} (op #{seq}) on {self._where}"
-            if isinstance(exc, MismatchError):
-                # In words, for this rank and (through the sticky failure) later calls.
-                worded = self._words(name, seq, entry)(exc)
-                engine.poison(worded, label)
-                book.end(entry, True)
-                raise worded from None
-            engine.poison(exc, label)
-            judged = exc
-            if isinstance(exc, CommTimeout):
-                judged = _call_checks.judged(self, exc, name, seq, entry)
-            book.end(entry, True)
-            if judged is exc:
-                raise
-            raise judged from exc
-        finally:
-            engine.release()
-        return out
-
-    def _words(
-        self, op: str, seq: int, entry: _ledger.Entry | None
-    ) -> Callable[[MismatchError], MismatchError]:
-        """What puts a mismatch in call ``seq`` in words (:func:`_call_checks.mismatch_words`)."""
-
-        def words(exc: MismatchError) -> MismatchError:
-            return _call_checks.mismatch_words(self, self._comm, exc, op, seq, entry)
-
-        return words
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -905,173 +730,6 @@ class ProcessGroup:
         c = self._enter("recv")
         return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
 
-    # -- sub-groups ----------------------------------------------------------------------
-    def split(self, color: int | None, key: int | None = None) -> ProcessGroup | None:
-        """Partition the group by ``color`` (``MPI_Comm_split``); collective over the group.
-
-        Args:
-            color: ranks passing the same int form one new group; None: this rank joins none.
-            key: orders the new group's ranks (ties broken by the current rank); default is
-                this rank's group rank, keeping the current order.
-
-        Returns:
-            The new group this rank belongs to, or None for ``color=None``.
-
-        Raises:
-            TypeError: color or key is not an int.
-            CommError: communication failed.
-
-        Example:
-            >>> g = ProcessGroup(SelfCommunicator())
-            >>> g.split(color=0).ranks, g.split(color=None)
-            ((0,), None)
-        """
-        c = self._enter("split")
-        col = None if color is None else _lower.int64_arg(c.where, color, "color")
-        k = self.rank if key is None else _lower.int64_arg(c.where, key, "key")
-        self._children += 1
-        name = f"{self.name}/split{self._children}:{col}"
-        comm, size = self._comm, self.size
-
-        def body() -> ProcessGroup | None:
-            mine = np.array([0 if col is None else 1, col or 0, k], dtype=np.int64)
-            table = np.empty(3 * size, dtype=np.int64)
-            comm.all_gather(mine, table)
-            if col is None:
-                return None
-            rows = table.reshape(size, 3)
-            order = sorted(
-                (int(rows[r, 2]), r) for r in range(size) if rows[r, 0] and rows[r, 1] == col
-            )
-            return self._child(comm.sub([r for _, r in order]), name)
-
-        return self._issue("split", (body, {}), False)
-
-    def new_group(self, ranks: Iterable[int] | None = None) -> ProcessGroup | None:
-        """Make a sub-group of the given global ranks; called by every rank of this group.
-
-        As ``torch.distributed.new_group``: the members are ordered by global rank.
-
-        Args:
-            ranks: global ranks, all members of this group; None: all of them.
-
-        Returns:
-            The new group on its members; None on the other ranks.
-
-        Raises:
-            InvalidArgument: a rank that is not a member, a duplicate, or no ranks.
-            CommError: communication failed.
-
-        Example:
-            >>> g = ProcessGroup(SelfCommunicator())
-            >>> g.new_group([0]).ranks
-            (0,)
-        """
-        c = self._enter("new_group")
-        if ranks is None:
-            chosen = list(self.ranks)
-        else:
-            chosen = [_lower.int_arg(c.where, r, "rank") for r in ranks]
-        if not chosen:
-            raise InvalidArgument(f"{c.where}: new_group needs at least one rank, got none")
-        if len(set(chosen)) != len(chosen):
-            raise InvalidArgument(f"{c.where}: duplicate ranks in {chosen}")
-        outside = [r for r in chosen if r not in self.ranks]
-        if outside:
-            raise InvalidArgument(
-                f"{c.where}: ranks {outside} are not members of the group (members: "
-                f"{list(self.ranks)})"
-            )
-        members = sorted(self.ranks.index(r) for r in chosen)
-        self._children += 1
-        name = f"{self.name}/group{self._children}"
-        comm, me = self._comm, self.rank
-
-        def body() -> ProcessGroup | None:
-            if me not in members:
-                return None
-            return self._child(comm.sub(members), name)
-
-        fields = {"args": tuple(sorted(chosen))}
-        return self._issue("new_group", (body, fields), False)
-
-    def subgroup(self, ranks: Sequence[int], name: str) -> ProcessGroup:
-        """A group over global ``ranks`` (in that order), made by its members alone.
-
-        Unlike :meth:`split` and :meth:`new_group`, no other rank of this group takes part,
-        so a group can be made on first use by the ranks that use it (a mesh's groups are
-        made this way). Every member must call it with the same ranks, in the same order
-        relative to its other ``subgroup`` calls with those ranks.
-
-        Args:
-            ranks: global ranks of this group; this rank must be one of them.
-            name: the new group's name in error messages (the same on every member).
-
-        Raises:
-            InvalidArgument: duplicate ranks, ranks outside this group, or this rank is not
-                one of them.
-
-        Example:
-            >>> ProcessGroup(SelfCommunicator()).subgroup([0], "world/solo").ranks
-            (0,)
-        """
-        c = self._enter("subgroup")
-        chosen = [_lower.int_arg(c.where, r, "rank") for r in ranks]
-        outside = [r for r in chosen if r not in self.ranks]
-        if outside or len(set(chosen)) != len(chosen) or self.ranks[self.rank] not in chosen:
-            raise InvalidArgument(
-                f"{c.where}: subgroup ranks must be distinct members of the group including "
-                f"this rank {self.ranks[self.rank]}; got {chosen} (members: {list(self.ranks)})"
-            )
-        members = [self.ranks.index(r) for r in chosen]
-        comm = self._comm
-
-        def body() -> ProcessGroup:
-            return self._child(comm.sub(members), name)
-
-        # On the engine, after this group's earlier operations; no fingerprint: the other
-        # ranks of this group do not take part.
-        made: ProcessGroup = self._engine.submit(body, f"subgroup on {self._where}", False)
-        return made
-
-    def grid_split(self, dims: Sequence[int]) -> list[ProcessGroup] | None:
-        """One group per axis of a row-major grid over this group's ranks, in one call.
-
-        For a grid ``np.array(self.ranks).reshape(dims)``, axis ``d``'s group holds the ranks
-        whose coordinates differ only along ``d``, ranked by that coordinate: the groups a
-        :class:`~meshcomm.mesh.DeviceMesh` makes per axis. Backends with a grid primitive
-        make them all at once (mpi: ``MPI_Cart_create`` and one ``MPI_Cart_sub`` per axis);
-        the others return None without communicating, and the caller splits per axis.
-        Collective: every rank of the group calls it.
-
-        Raises:
-            InvalidArgument: ``dims`` are not positive or do not multiply to the size.
-            CommError: communication failed.
-
-        Example:
-            >>> ProcessGroup(SelfCommunicator()).grid_split((1, 1)) is None  # no grid primitive
-            True
-        """
-        c = self._enter("grid_split")
-        shape = tuple(_lower.int_arg(c.where, d, "dims") for d in dims)
-        if not shape or any(d < 1 for d in shape) or math.prod(shape) != self.size:
-            raise InvalidArgument(
-                f"{c.where}: dims must be positive and multiply to the group size {self.size}, "
-                f"got {list(shape)}"
-            )
-        cart_subs = self._comm.grid_splitter()
-        if cart_subs is None:
-            return None
-        self._children += 1
-        name = f"{self.name}/grid{self._children}"
-
-        def body() -> list[ProcessGroup]:
-            comms = cart_subs(shape)
-            return [self._child(comm, f"{name}:axis{d}") for d, comm in enumerate(comms)]
-
-        result: list[ProcessGroup] = self._issue("grid_split", (body, {"args": shape}), False)
-        return result
-
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
         return ProcessGroup(comm, store=self.store, name=name, _parent=self)
 
@@ -1090,11 +748,9 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
-        # The engine refuses every call from here on (a plan's too: its claim fails and its
-        # queued route raises), lets queued operations finish, and only then do the groups
-        # made from this one and the communicator go.
-        self._engine.close(f"the group {self.name!r} was closed", self.timeout)
-        self._plans.clear()
+        # Every call is refused from here on; queued operations finish, and only then do
+        # the groups made from this one and the communicator go.
+        self._issuer.close(f"the group {self.name!r} was closed", self.timeout)
         for kid in list(self._kids):
             kid.close()
         self._comm.close()

@@ -18,7 +18,9 @@ import pytest
 import meshcomm._arrays
 import meshcomm._call_checks
 import meshcomm._fingerprint
+import meshcomm._issuing
 import meshcomm._lower
+import meshcomm._subgroups
 import meshcomm.backends.base
 import meshcomm.backends.local
 import meshcomm.group
@@ -737,6 +739,8 @@ def test_all_gather_axis0_result_is_the_receive_buffer(g: ProcessGroup) -> None:
         meshcomm._lower,
         meshcomm._fingerprint,
         meshcomm._call_checks,
+        meshcomm._issuing,
+        meshcomm._subgroups,
         meshcomm.backends.base,
         meshcomm.backends.local,
     ],
