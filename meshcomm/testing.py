@@ -749,28 +749,54 @@ def _check_subgroup(s: _Suite, sub: ProcessGroup, label: str, seed: int) -> None
 
 
 def _check_closed_group(s: _Suite, g: ProcessGroup) -> None:
-    """A closed group refuses every collective at once, on every route (cached ones too)."""
+    """A closed group refuses every collective at once with CommError, on every route: a
+    signature whose plan it had (called before), one it never saw, lowered calls (other
+    axes, ``avg``, async, strided inputs), rooted and point-to-point calls, sub-groups."""
     sub = g.new_group()
     if sub is None:
         s.fail("new_group() of every rank returned None")
         return
-    x = _data(s.seed(), s.me, (sub.size, 2), np.float32)
-    calls: dict[str, Callable[[], Any]] = {
-        "all_reduce": lambda: sub.all_reduce(x, "sum"),
-        "all_reduce max": lambda: sub.all_reduce(x, "max"),
-        "all_gather": lambda: sub.all_gather(x, tiled=True),
-        "reduce_scatter": lambda: sub.reduce_scatter(x, "sum", 0, True),
-        "all_to_all": lambda: sub.all_to_all(x),
-        "broadcast": lambda: sub.broadcast(x, 0),
-        "barrier": sub.barrier,
+    n = sub.size
+    x = _data(s.seed(), s.me, (n, 2), np.float32)
+    fresh = _data(s.seed(), s.me, (n, 3), np.float32)  # no call ever had this signature
+    calls: dict[str, Callable[[np.ndarray], Any]] = {
+        "all_reduce": lambda y: sub.all_reduce(y, "sum"),
+        "all_reduce max": lambda y: sub.all_reduce(y, "max"),
+        "all_reduce avg": lambda y: sub.all_reduce(y, "avg"),
+        "all_reduce async": lambda y: sub.all_reduce(y, async_op=True).wait(),
+        "all_reduce strided": lambda y: sub.all_reduce(y[:, ::2]),
+        "all_gather": sub.all_gather,
+        "all_gather tiled": lambda y: sub.all_gather(y, tiled=True),
+        "all_gather axis 1": lambda y: sub.all_gather(y, axis=1),
+        "reduce_scatter": lambda y: sub.reduce_scatter(y, "sum", 0, True),
+        "reduce_scatter stacked": lambda y: sub.reduce_scatter(y, "max"),
+        "all_to_all": sub.all_to_all,
+        "all_to_all tiled": lambda y: sub.all_to_all(y, tiled=True),
+        "broadcast": lambda y: sub.broadcast(y, 0),
+        "broadcast last root": lambda y: sub.broadcast(y, n - 1),
+        "reduce": lambda y: sub.reduce(y, 0),
+        "gather": lambda y: sub.gather(y, 0),
+        "scatter": lambda y: sub.scatter(y, 0),
+        "permute": lambda y: sub.permute(y, [(r, (r + 1) % n) for r in range(n)]),
+        "barrier": lambda y: sub.barrier(),
     }
-    for _ in range(2):  # a signature's second call takes its cached route
+    for _ in range(2):  # a signature's second call finds its plan
         for call in calls.values():
-            call()
+            call(x)
     sub.close()
+    refused: dict[str, Callable[[], Any]] = {}
     for name, call in calls.items():
+        refused[f"{name} (seen)"] = functools.partial(call, x)
+        refused[f"{name} (new)"] = functools.partial(call, fresh)
+    refused |= {
+        "send": lambda: sub.send(x, 0),
+        "recv": lambda: sub.recv(0),
+        "split": lambda: sub.split(0),
+        "new_group": sub.new_group,
+    }
+    for name, refuse in refused.items():
         what = f"{name} on a closed group"
         start = time.monotonic()
-        s.raises(what, CommError, call)
+        s.raises(what, CommError, refuse)
         if time.monotonic() - start > 1.0:
             s.fail(f"{what}: took {time.monotonic() - start:.1f} s to refuse")

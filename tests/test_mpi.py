@@ -385,7 +385,19 @@ def communicator() -> list[str]:
             buf = np.ones(1)
             sub.all_reduce(buf, ReduceOp.SUM)
             check("split all_reduce", buf[0] == len(expected), buf)
+            f64, total = np.dtype(np.float64), ReduceOp.SUM
+            runners = {
+                name: sub.runner(name, f64, arg)
+                for name, arg in [("all_reduce", total), ("reduce_scatter", total),
+                                  ("all_gather", None), ("all_to_all", None), ("broadcast", 0)]
+            }  # fmt: skip
             sub.close()
+            for name, run in runners.items():  # a runner made before close() refuses after it
+                try:
+                    run(np.ones(sub.size), np.ones(sub.size))
+                    check(f"{name} runner of a closed communicator refuses", False)
+                except CommError as exc:
+                    check(f"{name} runner refusal names the closing", "closed" in str(exc), exc)
         else:
             check("split None", me == 0)
         # cart_subs: one communicator per axis, rank = coordinate along the axis.
