@@ -591,33 +591,45 @@ def _check_async(s: _Suite, g: ProcessGroup) -> None:
 def _check_repeated_calls(s: _Suite, g: ProcessGroup) -> None:
     """The same call signature three times in a row, with fresh data each time.
 
-    A group answers a repeated signature from what it learnt on the first call (a cached
-    runner on most backends), so the second and third calls take another route than the
-    first: each must still match numpy, for every dtype, op and root.
+    A group runs a repeated signature through the plan it made on the first call (the
+    backend's runner for it, or its primitive on flat views), so the calls after the first
+    take the fast case of that route: each must still match numpy, for every collective a
+    plan serves (all_reduce, all_gather, reduce_scatter and all_to_all at axis 0, stacked
+    and tiled, broadcast from every root), dtype, op and root.
     """
     n, me = g.size, g.rank
     for dt in s.dtypes:
         for op in _valid_ops(dt):
             if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
                 continue  # composed from sum above the backend: the sum rows cover them
-            for shape in ((5,), (5,), (2, 3)):  # a cached runner takes any shape
+            for shape in ((5,), (5,), (2, 3)):  # a new shape is a new signature
                 seed = s.seed()
                 xs = [_data(seed, r, shape, dt, op) for r in g.ranks]
                 what = f"repeated all_reduce dtype={dtype_name(dt)} op={op.value} shape={shape}"
                 s.expect(what, s.call(what, g.all_reduce, xs[me], op), _reduce_oracle(op, xs, dt))
+        ordered = ReduceOp.MAX in _valid_ops(dt)
         for _ in range(3):
             seed = s.seed()
             xs = [_data(seed, r, (n, 2), dt) for r in g.ranks]
             name = dtype_name(dt)
             what = f"repeated all_gather dtype={name} shape={(n, 2)}"
             s.expect(what, s.call(what, g.all_gather, xs[me], tiled=True), np.concatenate(xs))
+            what = f"repeated stacked all_gather dtype={name} shape={(n, 2)}"
+            s.expect(what, s.call(what, g.all_gather, xs[me]), np.stack(xs))
             what = f"repeated all_to_all dtype={name} shape={(n, 2)}"
             s.expect(what, s.call(what, g.all_to_all, xs[me]), np.stack([x[me] for x in xs]))
+            what = f"repeated tiled all_to_all dtype={name} shape={(n, 2)}"
+            got = s.call(what, g.all_to_all, xs[me], tiled=True)
+            s.expect(what, got, np.concatenate([x[me : me + 1] for x in xs]))
             if dt.kind != "b":
                 total = _reduce_oracle(ReduceOp.SUM, xs, dt)
                 what = f"repeated reduce_scatter dtype={name} shape={(n, 2)}"
                 got = s.call(what, g.reduce_scatter, xs[me], "sum", 0, True)
                 s.expect(what, got, total[me : me + 1])
+            if ordered:
+                top = _reduce_oracle(ReduceOp.MAX, xs, dt)
+                what = f"repeated stacked reduce_scatter max dtype={name} shape={(n, 2)}"
+                s.expect(what, s.call(what, g.reduce_scatter, xs[me], "max"), top[me])
             for root in range(n):
                 what = f"repeated broadcast dtype={name} root={root}"
                 s.expect(what, s.call(what, g.broadcast, xs[me], root), xs[root])
