@@ -13,10 +13,17 @@ the world's :class:`~meshcomm._arrays.ResultPool`, which recycles large result b
 caller has dropped (no fresh page-faulted memory per call in a loop). Send-side snapshots
 that never escape come from the world's :class:`~meshcomm._arrays.ScratchPool`.
 
-Cost: these functions run on every call, so the common case is kept to plain attribute,
-tuple and dict operations: dtypes and (op, dtype) pairs already accepted once are found in
-small caches (:func:`meshcomm._arrays.check_dtype`, :func:`reduce_op`); everything else,
-and every error, takes the full checking path.
+Plans: the ``plan_*`` functions lower a call *signature* once (collective, dtype, shape,
+reduce op or root, axes, ``tiled``): the same checks, the result's shape, and the runner
+to use (:class:`Plan`). A group keeps one plan per signature and runs every synchronous
+call whose input lies in the collective's layout at axis 0 through its plan's runner (the
+backend's :meth:`~meshcomm.backends.base.Communicator.runner`, else its primitive on flat
+views); the others take the per-call functions.
+
+Cost: the per-call functions run on every call, so the common case is kept to plain
+attribute, tuple and dict operations: dtypes and (op, dtype) pairs already accepted once
+are found in small caches (:func:`meshcomm._arrays.check_dtype`, :func:`reduce_op`);
+everything else, and every error, takes the full checking path.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator
