@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -198,12 +199,12 @@ class Issuer:
         first item is the collective's name."""
         plan = make(self.enter(key[0]), *args)
         plans = self.plans
-        try:
-            if len(plans) >= _PLANS:
+        if len(plans) >= _PLANS:
+            # Another thread may evict at the same time: then one plan fewer, no harm.
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
                 del plans[next(iter(plans))]
+        with contextlib.suppress(TypeError):  # an unhashable argument the checks accept
             plans[key] = plan
-        except TypeError:  # an unhashable argument that the checks accept (tiled=[1])
-            pass
         return plan
 
     def run_plan(self, plan: _lower.Plan, run: Runner, x: np.ndarray) -> Any:
