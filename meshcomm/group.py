@@ -74,7 +74,6 @@ import numpy as np
 import numpy.typing as npt
 
 from meshcomm import _fingerprint, _lower, _staging
-from meshcomm._arrays import ResultPool
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm._issuing import Issuer
 from meshcomm._subgroups import SubGroups
@@ -89,16 +88,6 @@ __all__ = ["DEBUG_ENV_VARS", "ProcessGroup", "Work", "new_group"]
 
 ArrayLike = npt.ArrayLike
 OpLike = str | ReduceOp
-
-
-#: At most this many plans per group (a loop calls a few signatures; the oldest goes first).
-_PLANS = 256
-
-#: Results at least this large come from the world's ResultPool (recycled, no fresh pages).
-_POOLED = ResultPool.MIN_BYTES
-
-# _fingerprint's stamp layout: a plan's call stamps ``plan.stamp_base | (seq & _SEQ_MASK)``.
-_SEQ_MASK = (1 << _fingerprint.SEQ_BITS) - 1
 
 
 class ProcessGroup(SubGroups):
@@ -164,8 +153,8 @@ class ProcessGroup(SubGroups):
         self._plan = issuer.plan
         self._run_plan = issuer.run_plan
         self._children = 0
-        # Closing a group closes the groups made from it first (they may share its
-        # communicator's resources: the MPI world, the tcp store).
+        # Closing a group closes the groups made from it before its communicator (they may
+        # share its resources: the MPI world, the tcp store).
         self._kids: list[ProcessGroup] = []
         if _parent is not None:
             _parent._kids.append(self)
