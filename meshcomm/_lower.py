@@ -104,9 +104,11 @@ class Call:
         where: the error-message prefix.
         rank: ``comm.rank``.
         size: ``comm.size``.
+        runners: the runners its plans made, by (dtype, op or root): a signature that
+            differs only in shape reuses one.
     """
 
-    __slots__ = ("comm", "pool", "rank", "results", "size", "where")
+    __slots__ = ("comm", "pool", "rank", "results", "runners", "size", "where")
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class Call:
         self.results = ResultPool() if results is None else results
         self.rank = comm.rank
         self.size = comm.size
+        self.runners: dict[tuple[np.dtype, Any], Runner] = {}
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -617,7 +620,16 @@ class Plan:
         self.stamp_base = self.sig << _fingerprint.SEQ_BITS
 
 
-def _runner(comm: Communicator, collective: str, dtype: np.dtype, arg: Any) -> Runner:
+def _runner(c: Call, collective: str, dtype: np.dtype, arg: Any) -> Runner:
+    """The runner of ``collective`` (the name of ``c``'s operation) for ``dtype`` and
+    ``arg`` (reduce op or root), made once per call context."""
+    run = c.runners.get((dtype, arg))
+    if run is None:
+        run = c.runners[(dtype, arg)] = _new_runner(c.comm, collective, dtype, arg)
+    return run
+
+
+def _new_runner(comm: Communicator, collective: str, dtype: np.dtype, arg: Any) -> Runner:
     """The backend's runner for the signature, else its primitive on flat views."""
     run = comm.runner(collective, dtype, arg)
     if run is not None:
@@ -658,7 +670,7 @@ def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
     rop, _ = _reduce_op(c, op, dt, None)
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
     in_layout = rop not in COMPOSED and arr.dtype == dt
-    run = _runner(c.comm, "all_reduce", dt, rop) if in_layout else None
+    run = _runner(c, "all_reduce", dt, rop) if in_layout else None
     return Plan("all_reduce", fields, run, arr.shape)
 
 
@@ -669,7 +681,7 @@ def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) 
     ax, block = _blocks(c, arr, axis, tiled, "axis")
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
     in_layout = ax == 0 and rop not in COMPOSED and arr.dtype == dt
-    run = _runner(c.comm, "reduce_scatter", dt, rop) if in_layout else None
+    run = _runner(c, "reduce_scatter", dt, rop) if in_layout else None
     return Plan("reduce_scatter", fields, run, block)
 
 
@@ -680,7 +692,7 @@ def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
         raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
     ax = _axis(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
     fields = {"dtype": dt, "shape": arr.shape, "axis": ax, "tiled": bool(tiled)}
-    run = _runner(c.comm, "all_gather", dt, None) if ax == 0 and arr.dtype == dt else None
+    run = _runner(c, "all_gather", dt, None) if ax == 0 and arr.dtype == dt else None
     return Plan("all_gather", fields, run, _joined(arr.shape, ax, c.size, tiled))
 
 
@@ -691,7 +703,7 @@ def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, t
     concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
     fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
     in_layout = split == concat == 0 and arr.dtype == dt
-    run = _runner(c.comm, "all_to_all", dt, None) if in_layout else None
+    run = _runner(c, "all_to_all", dt, None) if in_layout else None
     return Plan("all_to_all", fp, run, _joined(block, concat, c.size, tiled))
 
 
@@ -700,7 +712,7 @@ def plan_broadcast(c: Call, x: np.ndarray, root: Any) -> Plan:
     r = rank_arg(c, root, "root")
     arr, dt = _input(c, x)
     fields = {"dtype": dt, "shape": arr.shape, "root": r}
-    run = _runner(c.comm, "broadcast", dt, r) if arr.dtype == dt else None
+    run = _runner(c, "broadcast", dt, r) if arr.dtype == dt else None
     return Plan("broadcast", fields, run, arr.shape)
 
 
