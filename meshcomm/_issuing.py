@@ -218,12 +218,11 @@ class Issuer:
         first-call check, a trace) or finds the engine taken (queued work, another thread,
         a failed or closed group) hands the same runner to :meth:`issue`.
         """
-        engine = self.engine
-        count, shape = plan.count, plan.shape
-        if count * x.itemsize < _POOLED:
-            out = np.empty(shape, x.dtype)
+        engine, dtype = self.engine, plan.dtype
+        if plan.nbytes < _POOLED:
+            out = np.empty(plan.shape, dtype)
         else:
-            out = engine.results.take(x.dtype, count).reshape(shape)
+            out = engine.results.take(dtype, plan.count).reshape(plan.shape)
         seen = self._seen
         if (
             self.debug
@@ -239,7 +238,7 @@ class Issuer:
             return self.issue(plan.collective, (body, plan.fields), False)
         self.seq = seq = self.seq + 1
         name, book = plan.collective, self.book
-        entry = book.add(seq, name, x.dtype, x.shape, plan.fields)
+        entry = book.add(seq, name, dtype, plan.in_shape, plan.fields)
         stamper = self._stamper
         if stamper is not None:
             stamper.stamp = plan.stamp_base | (seq & _SEQ_MASK)

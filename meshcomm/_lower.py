@@ -587,6 +587,9 @@ class Plan:
             (``avg``), and its calls take the lowering functions above instead.
         shape: the result's shape.
         count: the result's number of elements.
+        nbytes: the result's bytes.
+        dtype: the arrays' dtype.
+        in_shape: the input's shape (the key's: read here, not off each call's array).
         fields: the call's fingerprint fields (the ledger, the mismatch checks).
         sig: the call's signature (:func:`~meshcomm._fingerprint.signature_of` of
             ``fields``), the same the lowered route computes.
@@ -602,7 +605,18 @@ class Plan:
         ((2, 3), True)
     """
 
-    __slots__ = ("collective", "count", "fields", "run", "shape", "sig", "stamp_base")
+    __slots__ = (
+        "collective",
+        "count",
+        "dtype",
+        "fields",
+        "in_shape",
+        "nbytes",
+        "run",
+        "shape",
+        "sig",
+        "stamp_base",
+    )
 
     def __init__(
         self,
@@ -616,6 +630,9 @@ class Plan:
         self.run = run
         self.shape = shape
         self.count = _prod(shape)
+        self.dtype: np.dtype = fields["dtype"]
+        self.nbytes = self.count * self.dtype.itemsize
+        self.in_shape: tuple[int, ...] = fields["shape"]
         self.sig = _fingerprint.signature_of(collective, fields, False)
         self.stamp_base = self.sig << _fingerprint.SEQ_BITS
 

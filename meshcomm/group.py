@@ -309,10 +309,10 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and not async_op and factor is None:
             key = ("all_reduce", x.dtype, x.shape, op)
             try:
-                plan = self._plans.get(key)
-            except TypeError:  # an unhashable op: the plan's checks say what is wrong with it
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
                 plan = None
-            if plan is None:
+            if plan is None:  # made outside the handler: its errors come without a KeyError
                 plan = self._plan(key, _lower.plan_all_reduce, x, op)
             if (run := plan.run) is not None and x.flags.c_contiguous:
                 return self._run_plan(plan, run, x)
@@ -352,10 +352,10 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and not async_op and type(axis) is int:
             key = ("all_gather", x.dtype, x.shape, axis, tiled)
             try:
-                plan = self._plans.get(key)
-            except TypeError:  # an unhashable argument: the plan's checks say what is wrong
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
                 plan = None
-            if plan is None:
+            if plan is None:  # made outside the handler: its errors come without a KeyError
                 plan = self._plan(key, _lower.plan_all_gather, x, axis, tiled)
             if (run := plan.run) is not None and x.flags.c_contiguous:
                 return self._run_plan(plan, run, x)
@@ -402,10 +402,10 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and not async_op and factor is None and type(axis) is int:
             key = ("reduce_scatter", x.dtype, x.shape, op, axis, tiled)
             try:
-                plan = self._plans.get(key)
-            except TypeError:  # an unhashable argument: the plan's checks say what is wrong
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
                 plan = None
-            if plan is None:
+            if plan is None:  # made outside the handler: its errors come without a KeyError
                 plan = self._plan(key, _lower.plan_reduce_scatter, x, op, axis, tiled)
             if (run := plan.run) is not None and x.flags.c_contiguous:
                 return self._run_plan(plan, run, x)
@@ -459,10 +459,10 @@ class ProcessGroup(SubGroups):
             # Ints only: a key compares equal for 0, False and 0.0, and the checks differ.
             key = ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled)
             try:
-                plan = self._plans.get(key)
-            except TypeError:  # an unhashable argument: the plan's checks say what is wrong
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
                 plan = None
-            if plan is None:
+            if plan is None:  # made outside the handler: its errors come without a KeyError
                 plan = self._plan(key, _lower.plan_all_to_all, x, split_axis, concat_axis, tiled)
             if (run := plan.run) is not None and x.flags.c_contiguous:
                 return self._run_plan(plan, run, x)
@@ -512,10 +512,10 @@ class ProcessGroup(SubGroups):
         ):
             key = ("broadcast", x.dtype, x.shape, root)
             try:
-                plan = self._plans.get(key)
-            except TypeError:  # an unhashable root: the plan's checks say what is wrong
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
                 plan = None
-            if plan is None:
+            if plan is None:  # made outside the handler: its errors come without a KeyError
                 plan = self._plan(key, _lower.plan_broadcast, x, root)
             if (run := plan.run) is not None and x.flags.c_contiguous:
                 return self._run_plan(plan, run, x)
