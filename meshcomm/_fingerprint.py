@@ -125,7 +125,7 @@ def base(
     axis: int = -1,
     axis2: int = -1,
 ) -> int:
-    """The part of a call's signature that a direct path knows before the call (cached).
+    """The part of a call's signature known from its op, dtype, reduce op, root and axes (cached).
 
     Deterministic across processes (CRC-32 of the words, never ``hash`` of a string, which
     Python salts per process).

@@ -66,7 +66,6 @@ def ledger_length() -> int:
 _SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED, _API, _EXTRA = range(11)
 # Operations whose record's extra is a root (the others': a reduce op), when it is not the
 # general path's fingerprint fields (a dict with both).
-_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _OPS = os.path.join(_PACKAGE, "ops") + os.sep
 # How far back head() looks for the last completed collective (async ones may still run).
@@ -97,14 +96,9 @@ Entry = list
 
 def _extra(entry: Entry) -> tuple[Any, Any, bool]:
     """A record's reduce op (its name), root and device flag."""
-    extra = entry[_EXTRA]
-    if isinstance(extra, dict):
-        reduce, root = extra.get("reduce"), extra.get("root")
-        device = bool(extra.get("device", False))
-    elif entry[_OP] in _ROOTED:
-        reduce, root, device = None, extra, False
-    else:
-        reduce, root, device = extra, None, False
+    extra = entry[_EXTRA] or {}
+    reduce, root = extra.get("reduce"), extra.get("root")
+    device = bool(extra.get("device", False))
     if reduce is not None:
         reduce = str(getattr(reduce, "value", reduce)).lower()
     return reduce, root, device
@@ -158,12 +152,14 @@ class Ledger:
         self._ring: collections.deque[Entry] = collections.deque(maxlen=max(0, length))
         self.enabled = length > 0
 
-    def add(self, seq: int, op: str, dtype: Any, shape: Any, extra: Any = None) -> Entry | None:
+    def add(
+        self, seq: int, op: str, dtype: Any, shape: Any, extra: dict[str, Any] | None = None
+    ) -> Entry | None:
         """Record a collective as issued now, called from the innermost frame outside
         meshcomm; None when the ledger is off.
 
-        ``extra``: the general path's fingerprint fields (a dict: ``reduce``, ``root``,
-        ``device``...), or a direct path's reduce op (as the caller spelled it) or root.
+        ``extra``: the call's fingerprint fields (a dict: ``reduce``, ``root``,
+        ``device``...; a plan's call gives its plan's fields).
 
         Called by the group layer only: the two frames above this one are meshcomm's (the
         group's issue and its public method), so the search for the caller starts above.

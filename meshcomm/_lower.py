@@ -13,10 +13,17 @@ the world's :class:`~meshcomm._arrays.ResultPool`, which recycles large result b
 caller has dropped (no fresh page-faulted memory per call in a loop). Send-side snapshots
 that never escape come from the world's :class:`~meshcomm._arrays.ScratchPool`.
 
-Cost: these functions run on every call, so the common case is kept to plain attribute,
-tuple and dict operations: dtypes and (op, dtype) pairs already accepted once are found in
-small caches (:func:`meshcomm._arrays.check_dtype`, :func:`reduce_op`); everything else,
-and every error, takes the full checking path.
+Plans: the ``plan_*`` functions lower a call *signature* once (collective, dtype, shape,
+reduce op or root, axes, ``tiled``): the same checks, the result's shape, and the runner
+to use (:class:`Plan`). A group keeps one plan per signature and runs every synchronous
+call whose input lies in the collective's layout at axis 0 through its plan's runner (the
+backend's :meth:`~meshcomm.backends.base.Communicator.runner`, else its primitive on flat
+views); the others take the per-call functions.
+
+Cost: the per-call functions run on every call, so the common case is kept to plain
+attribute, tuple and dict operations: dtypes and (op, dtype) pairs already accepted once
+are found in small caches (:func:`meshcomm._arrays.check_dtype`, :func:`reduce_op`);
+everything else, and every error, takes the full checking path.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator
@@ -35,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from meshcomm import _fingerprint
 from meshcomm._arrays import (
     ResultPool,
     ScratchPool,
@@ -46,7 +54,7 @@ from meshcomm._arrays import (
     normalize_shape,
     unstack,
 )
-from meshcomm.backends.base import Communicator
+from meshcomm.backends.base import Communicator, Runner
 from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
 
@@ -54,6 +62,7 @@ __all__ = [
     "COMPOSED",
     "Call",
     "Lowered",
+    "Plan",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -62,6 +71,11 @@ __all__ = [
     "gather",
     "int64_arg",
     "permute",
+    "plan_all_gather",
+    "plan_all_reduce",
+    "plan_all_to_all",
+    "plan_broadcast",
+    "plan_reduce_scatter",
     "reduce_op",
     "recv",
     "reduce",
@@ -90,22 +104,11 @@ class Call:
         where: the error-message prefix.
         rank: ``comm.rank``.
         size: ``comm.size``.
-        all_reduce_out: the communicator's out-of-place ``all_reduce_out(send, recv, op)``
-            when it has one (it reads the input where it lies: no snapshot copy), else None.
-        broadcast_out: likewise ``broadcast_out(send, recv, root)``: root's ``send`` into
-            every rank's ``recv`` (root's too), ``send`` ignored off root; or None.
+        runners: the runners its plans made, by (dtype, op or root): a signature that
+            differs only in shape reuses one.
     """
 
-    __slots__ = (
-        "all_reduce_out",
-        "broadcast_out",
-        "comm",
-        "pool",
-        "rank",
-        "results",
-        "size",
-        "where",
-    )
+    __slots__ = ("comm", "pool", "rank", "results", "runners", "size", "where")
 
     def __init__(
         self,
@@ -120,12 +123,7 @@ class Call:
         self.results = ResultPool() if results is None else results
         self.rank = comm.rank
         self.size = comm.size
-        self.all_reduce_out: Callable[[np.ndarray, np.ndarray, ReduceOp], None] | None = getattr(
-            comm, "all_reduce_out", None
-        )
-        self.broadcast_out: Callable[[np.ndarray | None, np.ndarray, int], None] | None = getattr(
-            comm, "broadcast_out", None
-        )
+        self.runners: dict[tuple[np.dtype, Any], Runner] = {}
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -323,10 +321,11 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
     """Lower ``all_reduce``; ``snapshot=False`` (a synchronous call) may read ``x`` in place.
 
     The result buffer is the communicator's buffer. A synchronous call whose input is already
-    flat-able (C-contiguous, native byte order) on a communicator with ``all_reduce_out``
-    hands the input over as is, and the reduction writes straight into the result: one pass
-    over memory fewer than copying the input first. Otherwise the input is copied into the
-    result buffer (scaled on the way for premul_sum) and reduced in place.
+    flat-able (C-contiguous, native byte order) hands the input over as is to the
+    communicator's ``all_reduce_out``, which writes the reduction into the result (on most
+    backends straight from the input: one pass over memory fewer than copying it first).
+    Otherwise the input is copied into the result buffer (scaled on the way for premul_sum)
+    and reduced in place.
     """
     arr, dt = _input(c, x)
     rop, f = _reduce_op(c, op, dt, factor)
@@ -335,18 +334,11 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
     out = buf if len(shape) == 1 else buf.reshape(shape)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
     comm, size = c.comm, c.size
-    reduce_out = c.all_reduce_out
-    if (
-        reduce_out is not None
-        and not snapshot
-        and f is None
-        and arr.flags.c_contiguous
-        and arr.dtype == dt
-    ):
+    if not snapshot and f is None and arr.flags.c_contiguous and arr.dtype == dt:
         send = arr.reshape(-1)
 
         def body_out_of_place() -> np.ndarray:
-            reduce_out(send, buf, prim)
+            comm.all_reduce_out(send, buf, prim)
             if rop is ReduceOp.AVG:
                 np.true_divide(buf, size, out=buf)
             return out
@@ -439,8 +431,8 @@ def all_to_all(
 def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool = True) -> Lowered:
     """Lower ``broadcast``; ``snapshot=False`` (a synchronous call) may read root's ``x`` in place.
 
-    On a communicator with ``broadcast_out``, a synchronous root whose input is flat-able
-    hands it over as is: the communicator sends from it and fills root's result at the same
+    A synchronous root whose input is flat-able hands it over as is to the communicator's
+    ``broadcast_out``: on most backends it sends from it and fills root's result at the same
     time, instead of copying it into the result before anything moves.
     """
     r = rank_arg(c, root, "root")
@@ -451,12 +443,7 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
         _agree(c, arr.shape, dt, shape, dtype)
         out_shape = arr.shape
         if r == c.rank:
-            if (
-                c.broadcast_out is not None
-                and not snapshot
-                and arr.flags.c_contiguous
-                and arr.dtype == dt
-            ):
+            if not snapshot and arr.flags.c_contiguous and arr.dtype == dt:
                 send = arr.reshape(-1)
             else:
                 buf = copy_into(c.results.take(dt, arr.size), arr)
@@ -466,11 +453,10 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
         out_shape, dt = _spec(c, shape, dtype)
     result = c.results.take(dt, _prod(out_shape)) if buf is None else buf
     comm = c.comm
-    out = c.broadcast_out
-    if send is not None and out is not None:
+    if send is not None:
 
         def body_out_of_place() -> np.ndarray:
-            out(send, result, r)
+            comm.broadcast_out(send, result, r)
             return result.reshape(out_shape)
 
         return body_out_of_place, {"dtype": dt, "shape": out_shape, "root": r}
@@ -580,6 +566,171 @@ def permute(c: Call, x: Any, perm: Any, snapshot: bool = True) -> Lowered:
 
 def barrier(c: Call) -> Lowered:
     return c.comm.barrier, {}
+
+
+# -- plans ---------------------------------------------------------------------------------
+class Plan:
+    """One call signature lowered once: the checked result shape and the runner to use.
+
+    A group keeps a plan per signature of the synchronous calls on numpy arrays it has seen
+    (collective, dtype, shape, reduce op or root, axes, ``tiled``; the backend is the
+    group's), made by the ``plan_*`` functions below with every check of the lowering, so a
+    call that finds its plan skips no check.
+
+    Attributes:
+        collective: the operation name (``"all_reduce"``).
+        run: ``run(x, result)`` for an input in the collective's layout at axis 0
+            (C-contiguous, native byte order): the backend's prepared
+            :data:`~meshcomm.backends.base.Runner` where it offers one
+            (:meth:`~meshcomm.backends.base.Communicator.runner`), else its primitive on
+            flat views. None: the signature needs a layout transform or a composed op
+            (``avg``), and its calls take the lowering functions above instead.
+        shape: the result's shape.
+        count: the result's number of elements.
+        nbytes: the result's bytes.
+        dtype: the arrays' dtype.
+        in_shape: the input's shape (the key's: read here, not off each call's array).
+        fields: the call's fingerprint fields (the ledger, the mismatch checks).
+        sig: the call's signature (:func:`~meshcomm._fingerprint.signature_of` of
+            ``fields``), the same the lowered route computes.
+        stamp_base: ``sig`` in a stamp's high bits: a call's stamp is ``stamp_base | seq``
+            (the sequence number's low bits).
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm._arrays import ScratchPool
+        >>> c = Call(SelfCommunicator(), ScratchPool(), "all_gather: rank 0")
+        >>> plan = plan_all_gather(c, np.ones((2, 3)), 0, True)
+        >>> plan.shape, plan.run is not None
+        ((2, 3), True)
+    """
+
+    __slots__ = (
+        "collective",
+        "count",
+        "dtype",
+        "fields",
+        "in_shape",
+        "nbytes",
+        "run",
+        "shape",
+        "sig",
+        "stamp_base",
+    )
+
+    def __init__(
+        self,
+        collective: str,
+        fields: dict[str, Any],
+        run: Runner | None,
+        shape: tuple[int, ...],
+    ) -> None:
+        self.collective = collective
+        self.fields = fields
+        self.run = run
+        self.shape = shape
+        self.count = _prod(shape)
+        self.dtype: np.dtype = fields["dtype"]
+        self.nbytes = self.count * self.dtype.itemsize
+        self.in_shape: tuple[int, ...] = fields["shape"]
+        self.sig = _fingerprint.signature_of(collective, fields, False)
+        self.stamp_base = self.sig << _fingerprint.SEQ_BITS
+
+
+def _runner(c: Call, collective: str, dtype: np.dtype, arg: Any) -> Runner:
+    """The runner of ``collective`` (the name of ``c``'s operation) for ``dtype`` and
+    ``arg`` (reduce op or root), made once per call context."""
+    run = c.runners.get((dtype, arg))
+    if run is None:
+        run = c.runners[(dtype, arg)] = _new_runner(c.comm, collective, dtype, arg)
+    return run
+
+
+def _new_runner(comm: Communicator, collective: str, dtype: np.dtype, arg: Any) -> Runner:
+    """The backend's runner for the signature, else its primitive on flat views."""
+    run = comm.runner(collective, dtype, arg)
+    if run is not None:
+        return run
+    with_arg: Callable[[np.ndarray, np.ndarray, Any], None]
+    if collective == "all_reduce":
+        with_arg = comm.all_reduce_out
+    elif collective == "reduce_scatter":
+        with_arg = comm.reduce_scatter
+    elif collective == "broadcast":
+        with_arg = comm.broadcast_out
+    else:
+        moving = comm.all_gather if collective == "all_gather" else comm.all_to_all
+
+        def run_flat(send: np.ndarray, recv: np.ndarray) -> None:
+            moving(send.reshape(-1), recv.reshape(-1))
+
+        return run_flat
+
+    def run_flat_with(send: np.ndarray, recv: np.ndarray) -> None:
+        with_arg(send.reshape(-1), recv.reshape(-1), arg)
+
+    return run_flat_with
+
+
+def _joined(block: tuple[int, ...], axis: int, size: int, tiled: Any) -> tuple[int, ...]:
+    """The shape of ``size`` blocks of shape ``block`` put together at ``axis``: stacked
+    there (a new axis), or concatenated along it when ``tiled`` (what :func:`unstack`
+    returns)."""
+    if tiled:
+        return (*block[:axis], size * block[axis], *block[axis + 1 :])
+    return (*block[:axis], size, *block[axis:])
+
+
+def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
+    """The plan of a synchronous ``all_reduce`` of ``x`` (no factor)."""
+    arr, dt = _input(c, x)
+    rop, _ = _reduce_op(c, op, dt, None)
+    fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
+    in_layout = rop not in COMPOSED and arr.dtype == dt
+    run = _runner(c, "all_reduce", dt, rop) if in_layout else None
+    return Plan("all_reduce", fields, run, arr.shape)
+
+
+def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
+    """The plan of a synchronous ``reduce_scatter`` of ``x`` (no factor)."""
+    arr, dt = _input(c, x)
+    rop, _ = _reduce_op(c, op, dt, None)
+    ax, block = _blocks(c, arr, axis, tiled, "axis")
+    fields = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
+    in_layout = ax == 0 and rop not in COMPOSED and arr.dtype == dt
+    run = _runner(c, "reduce_scatter", dt, rop) if in_layout else None
+    return Plan("reduce_scatter", fields, run, block)
+
+
+def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
+    """The plan of a synchronous ``all_gather`` of ``x``."""
+    arr, dt = _input(c, x)
+    if tiled and arr.ndim == 0:
+        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
+    ax = _axis(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
+    fields = {"dtype": dt, "shape": arr.shape, "axis": ax, "tiled": bool(tiled)}
+    run = _runner(c, "all_gather", dt, None) if ax == 0 and arr.dtype == dt else None
+    return Plan("all_gather", fields, run, _joined(arr.shape, ax, c.size, tiled))
+
+
+def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, tiled: Any) -> Plan:
+    """The plan of a synchronous ``all_to_all`` of ``x``."""
+    arr, dt = _input(c, x)
+    split, block = _blocks(c, arr, split_axis, tiled, "split_axis")
+    concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
+    fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
+    in_layout = split == concat == 0 and arr.dtype == dt
+    run = _runner(c, "all_to_all", dt, None) if in_layout else None
+    return Plan("all_to_all", fp, run, _joined(block, concat, c.size, tiled))
+
+
+def plan_broadcast(c: Call, x: np.ndarray, root: Any) -> Plan:
+    """The plan of a synchronous ``broadcast`` with an array ``x`` on every rank."""
+    r = rank_arg(c, root, "root")
+    arr, dt = _input(c, x)
+    fields = {"dtype": dt, "shape": arr.shape, "root": r}
+    run = _runner(c, "broadcast", dt, r) if arr.dtype == dt else None
+    return Plan("broadcast", fields, run, arr.shape)
 
 
 # -- point to point ------------------------------------------------------------------------

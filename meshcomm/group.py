@@ -13,9 +13,9 @@ the caller may reuse it at once); that copy is also the layout transform the com
 needs. A synchronous call reads an input that is already in the communicator's layout
 (C-contiguous, native byte order, rank blocks in order) where it lies: the caller waits, so
 the input cannot change under it. That covers the send side of every collective that only
-reads its input, ``all_reduce`` on a communicator with ``all_reduce_out`` (the reduction
-then writes straight into the result) and root's ``broadcast`` on one with ``broadcast_out``;
-the others copy the input into the result first.
+reads its input, ``all_reduce`` (the communicator's ``all_reduce_out`` writes the reduction
+into the result) and root's ``broadcast`` (``broadcast_out``); the others copy the input
+into the result first.
 Allocations per call: the result (it belongs to the caller; the communicator writes straight
 into it wherever the layout allows), taken from a per-world
 :class:`~meshcomm._arrays.ResultPool` that recycles large result buffers once the caller
@@ -24,14 +24,19 @@ operations whose send side differs from the result, a send snapshot from a per-w
 scratch pool that is reused from call to call. ``all_gather`` / ``all_to_all`` at an axis
 that forces a transpose copy the result once more.
 
-Per-call cost: a group keeps one lowering context per operation name and the checks use
-small caches (accepted dtypes, accepted (op, dtype) pairs), so a small collective spends a
-few microseconds here above the communicator; every error still takes the full check and
-is raised before any I/O. Synchronous ``all_reduce``, ``all_gather`` /
-``reduce_scatter`` / ``all_to_all`` at axis 0, and ``broadcast`` with an array on every
-rank, of C-contiguous numpy arrays take direct paths once a first call of the same kind
-passed the full checks: a fresh result, the claimed engine and the communicator's runner
-for that dtype (and op, or root), about 1.5 us above MPI at world 1.
+Per-call cost: a synchronous ``all_reduce``, ``reduce_scatter``, ``all_gather``,
+``all_to_all`` or ``broadcast`` (with an array on every rank) of a numpy array runs through
+its **plan** (:class:`meshcomm._lower.Plan`): the group keeps one plan per call signature
+(collective, dtype, shape, reduce op or root, axes, ``tiled``), made on the signature's
+first call with every check of the lowering, holding the result's shape and the runner
+the communicator offers for it (:meth:`~meshcomm.backends.base.Communicator.runner`, else
+its primitive on flat views). A call that finds its plan allocates the result and runs the
+runner on the claimed engine, about 1.5 us above MPI at world 1; where the engine is busy,
+or the call is checked first (``DETAIL``, a backend without stamps) or traced, the same
+runner goes through the engine's queue. Signatures a runner cannot take as they lie (an
+axis other than 0, ``avg``, asynchronous calls, strided or byte-swapped inputs, GPU arrays)
+are lowered per call (:mod:`meshcomm._lower`). Closing the group drops its plans, and a
+closed group's engine refuses every call. Every error is raised before any I/O.
 
 Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
@@ -62,23 +67,19 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
-from collections.abc import Callable, Iterable, Sequence
-from types import ModuleType
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _ledger, _lower, _report, _responder, _staging, _verdict
-from meshcomm import trace as _trace
-from meshcomm._arrays import ResultPool, rank_blocks_fit
+from meshcomm import _fingerprint, _lower, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
+from meshcomm._issuing import Issuer
+from meshcomm._subgroups import SubGroups
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
-from meshcomm.errors import CommError, CommTimeout, InvalidArgument, MismatchError
+from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 from meshcomm.work import ProgressEngine, Work
@@ -89,56 +90,7 @@ ArrayLike = npt.ArrayLike
 OpLike = str | ReduceOp
 
 
-#: At most this many dtypes or (dtype, op) pairs are remembered per direct path.
-_DIRECT_PAIRS = 64
-
-#: Results at least this large come from the world's ResultPool (recycled, no fresh pages).
-_POOLED = ResultPool.MIN_BYTES
-
-#: ``run(send, recv)``: one collective of one dtype (and op) from ``send`` into ``recv``,
-#: two C-contiguous arrays in the layout that collective has at axis 0.
-Runner = Callable[[np.ndarray, np.ndarray], None]
-
-
-def _flat_runner(primitive: Callable[..., None], *args: Any) -> Runner:
-    """A :data:`Runner` over a communicator primitive ``primitive(send, recv, *args)``
-    (``all_reduce_out``, ``all_gather``, ``reduce_scatter``, ``all_to_all``), which takes
-    flat buffers."""
-
-    def run(send: np.ndarray, recv: np.ndarray) -> None:
-        primitive(send.reshape(-1), recv.reshape(-1), *args)
-
-    return run
-
-
-# _fingerprint's stamp layout, for the inline stamp of _run_direct.
-_SEQ_BITS = _fingerprint.SEQ_BITS
-_SEQ_MASK = (1 << _SEQ_BITS) - 1
-_SIG_MASK = (1 << (_fingerprint.STAMP_BITS - _SEQ_BITS)) - 1
-
-#: How long a rank that saw a mismatch waits for the peer's record of its call (its
-#: responder answers in milliseconds; the others' abort checks come every second).
-_ASK_WAIT = 1.0
-
-
-def _called(rank: int, record: dict[str, Any] | None, op: str | None, seq: int) -> str:
-    """``rank 1 called psum(float32[4], sum) at train.py:12 (op #3)`` from a ledger record
-    (None: only what is known: the op, or nothing)."""
-    if record is None:
-        what = f"{op}(...)" if op else "another collective"
-        return f"rank {rank} called {what} (op #{seq})"
-    call = _fingerprint.describe_call(
-        record["name"],
-        record.get("dtype"),
-        record.get("shape"),
-        record.get("reduce"),
-        record.get("root"),
-        bool(record.get("device")),
-    )
-    return f"rank {rank} called {call} at {record.get('site', '?')} (op #{seq})"
-
-
-class ProcessGroup:
+class ProcessGroup(SubGroups):
     """A group of ranks with functional collectives (JAX semantics, torch names).
 
     Args:
@@ -181,45 +133,32 @@ class ProcessGroup:
         # themselves and never wait for another group's (MPI and NCCL order per communicator
         # too), so mesh axes overlap and threads on different groups cannot deadlock.
         pools = None if _parent is None else (_parent._engine.pool, _parent._engine.results)
-        self._engine: ProgressEngine = ProgressEngine(f"rank {me} in group {name!r}", pools)
+        engine = ProgressEngine(f"rank {me} in group {name!r}", pools)
         if _parent is None:
             level = _fingerprint.level()
-            self._debug = level == _fingerprint.DETAIL if debug is None else bool(debug)
-            self._checks = level != _fingerprint.OFF
+            debug = level == _fingerprint.DETAIL if debug is None else bool(debug)
+            checks = level != _fingerprint.OFF
         else:
-            self._debug = _parent._debug if debug is None else bool(debug)
-            self._checks = _parent._checks
-        # Default checks (not DETAIL, not OFF): the communicator carries each call's stamp
-        # (its holder's ``stamp``) where it can; see _fingerprint and _mismatch.
-        checked = self._checks and not self._debug and comm.size > 1  # one rank agrees
-        holder = comm.stamp_holder() if checked else None
-        self._stamper: Any = holder
-        # Backends without stamps (mpi): the signatures checked once (_fingerprint.check_first);
-        # None: no such checks (stamps, DETAIL, OFF, or a group of one).
-        self._seen: set[int] | None = None
-        if checked and holder is None:
-            self._seen = set()
-        self._seq = 0
-        self._book = _ledger.Ledger(_ledger.ledger_length())
+            debug = _parent.debug if debug is None else bool(debug)
+            checks = _parent._issuer.checks
+        # Its calls run through the issuer (checks, engine, ledger, plans); the names below
+        # are the issuer's, for the hot paths and the tools that read a group's ledger.
+        issuer = Issuer(self, comm, engine, self._where, debug, checks)
+        self._issuer: Issuer = issuer
+        self._engine: ProgressEngine = engine
+        self._book = issuer.book
+        self._plans = issuer.plans
+        self._enter = issuer.enter
+        self._issue = issuer.issue
+        self._plan = issuer.plan
+        self._run_plan = issuer.run_plan
         self._children = 0
-        # Closing a group closes the groups made from it first (they may share its
-        # communicator's resources: the MPI world, the tcp store).
+        # Closing a group closes the groups made from it before its communicator (they may
+        # share its resources: the MPI world, the tcp store).
         self._kids: list[ProcessGroup] = []
         if _parent is not None:
             _parent._kids.append(self)
         self._closed = False
-        # One lowering context per operation name, made on first use: the per-call path
-        # then does no string formatting and no allocation for it.
-        self._calls: dict[str, _lower.Call] = {}
-        # Runners for the direct paths (see _learn_reducing, _learn_moving): all_reduce and
-        # reduce_scatter by (dtype, op as spelled), all_gather and all_to_all by dtype,
-        # broadcast by (dtype, root).
-        # Each entry: the runner and the signature base of its calls (_fingerprint.base).
-        self._direct_reduce: dict[tuple[np.dtype, Any], tuple[Runner, int]] = {}
-        self._direct_gather: dict[Any, tuple[Runner, int]] = {}
-        self._direct_scatter: dict[tuple[np.dtype, Any], tuple[Runner, int]] = {}
-        self._direct_a2a: dict[Any, tuple[Runner, int]] = {}
-        self._direct_bcast: dict[Any, tuple[Runner, int]] = {}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -265,12 +204,12 @@ class ProcessGroup:
         self._comm.describe_as(text)
         me = self.ranks[self.rank]
         self._where = f"rank {me} in group {self.name!r} {text} (size {self.size})"
-        self._calls.clear()  # their messages were made with the old words
+        self._issuer.relabel(self._where)
 
     @property
     def debug(self) -> bool:
         """True if collectives check fingerprints first (``MESHCOMM_DEBUG=DETAIL``)."""
-        return self._debug
+        return self._issuer.debug
 
     @property
     def closed(self) -> bool:
@@ -298,7 +237,7 @@ class ProcessGroup:
     @property
     def seq(self) -> int:
         """The number of collectives issued on this group so far (the op sequence number)."""
-        return self._seq
+        return self._issuer.seq
 
     def global_rank(self, group_rank: int) -> int:
         """Return the world rank of ``group_rank``.
@@ -310,8 +249,9 @@ class ProcessGroup:
             >>> ProcessGroup(SelfCommunicator()).global_rank(0)
             0
         """
-        where = f"global_rank: {self._where}"
-        return self.ranks[_lower.rank_arg(self._call(where), group_rank, "group_rank")]
+        engine = self._engine
+        call = _lower.Call(self._comm, engine.pool, f"global_rank: {self._where}", engine.results)
+        return self.ranks[_lower.rank_arg(call, group_rank, "group_rank")]
 
     def group_rank(self, global_rank: int) -> int:
         """Return the group rank of world rank ``global_rank``.
@@ -337,83 +277,6 @@ class ProcessGroup:
             f"<ProcessGroup {self.name!r} rank={self.rank} size={self.size} "
             f"backend={self.backend!r}{state}>"
         )
-
-    # -- issuing -------------------------------------------------------------------------
-    def _call(self, where: str) -> _lower.Call:
-        engine = self._engine
-        return _lower.Call(self._comm, engine.pool, where, engine.results)
-
-    def _enter(self, op: str) -> _lower.Call:
-        """Refuse a closed or failed group; return the call context for lowering ``op``."""
-        if self._closed or not self._engine.healthy:
-            if self._closed:
-                raise CommError(f"{op}: {self._where}: the group was closed")
-            self._engine.check(f"{op} on {self._where}")
-        call = self._calls.get(op)
-        if call is None:
-            call = self._calls[op] = self._call(f"{op}: {self._where}")
-        return call
-
-    def _issue(
-        self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
-    ) -> Any:
-        """Run a lowered call in the world's order (after a fingerprint check in debug mode).
-
-        ``device``: the array module (cupy) the input came from; the result goes back to it.
-        """
-        body, fields = lowered
-        if device is not None:
-            on_host = body
-
-            def body() -> Any:
-                return _staging.to_device(device, on_host())
-
-        if fields is None:  # point to point: no sequence number, no fingerprint
-            return self._engine.submit(body, f"{op} on {self._where}", bool(async_op))
-        self._seq = seq = self._seq + 1
-        label = f"{op} (op #{seq}) on {self._where}"
-        if self._debug:
-            row = _fingerprint.encode(op, seq, on_device=device is not None, **fields)
-            comm, ranks, unchecked = self._comm, self.ranks, body
-
-            def body() -> Any:
-                _fingerprint.check(comm, row, ranks, label)
-                return unchecked()
-
-        recorder = _trace.active
-        if recorder is not None:
-            body = _traced(recorder, body, self.name, op, seq, fields)
-        book = self._book
-        lowered_fields = fields
-        if device is not None:
-            fields = {**fields, "device": True}  # for the ledger
-        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
-        if self._stamper is not None:
-            sig = _fingerprint.signature_of(op, fields, device is not None)
-            body = self._stamped(body, _fingerprint.stamp(sig, seq), op, seq, entry)
-        elif self._seen is not None:
-            sig = _fingerprint.signature_of(op, fields, device is not None)
-            if sig not in self._seen:
-                on_device = device is not None
-                row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
-                body = self._checked_first(body, row, sig, op, seq, entry)
-        if entry is not None and async_op:
-            body = _booked(entry, body)  # it ends on the engine's thread
-        try:
-            result = self._engine.submit(body, label, bool(async_op))
-        except BaseException as exc:
-            # In flight while judged: the others' verdicts find this rank in it meanwhile.
-            judged = self._judged(exc, op, seq, entry) if isinstance(exc, CommTimeout) else exc
-            book.end(entry, True)
-            if judged is exc:
-                raise
-            raise judged from exc
-        if not async_op:
-            book.end(entry, False)
-        elif isinstance(result, Work):
-            # Its own timeout, raised on the engine's thread, gets the verdict in wait().
-            result._judge = lambda exc: self._judged(exc, op, seq, entry)
-        return result
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
@@ -444,247 +307,19 @@ class ProcessGroup:
             array([3., 6.])
         """
         if type(x) is np.ndarray and not async_op and factor is None:
-            # The direct path (see _learn_reducing), as lean as it gets: at 8 bytes MPI takes
-            # about 1 us, and with more ranks than cores every call layer here costs several
-            # times its own time (measured: 1.45 us of this Python at world 1 cost 11-16 us
-            # of CPU per rank with 4 ranks on 2 cores).
+            key = ("all_reduce", x.dtype, x.shape, op)
             try:
-                run = self._direct_reduce.get((x.dtype, op))
-            except TypeError:  # an unhashable op: the full path says what is wrong with it
-                run = None
-            if run is not None and x.flags.c_contiguous:
-                out = self._run_direct("all_reduce", run, x, x.shape, x.size, op)
-                if out is not None:
-                    return out
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+                plan = None
+            if plan is None:  # made outside the handler: its errors come without a KeyError
+                plan = self._plan(key, _lower.plan_all_reduce, x, op)
+            if (run := plan.run) is not None and x.flags.c_contiguous:
+                return self._run_plan(plan, run, x)
         c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
-        if dev is None and not async_op and factor is None:
-            self._learn_reducing("all_reduce", self._direct_reduce, c, x, op, c.all_reduce_out)
         return self._issue("all_reduce", lowered, async_op, dev)
-
-    def _learn_reducing(
-        self,
-        name: str,
-        table: dict[tuple[np.dtype, Any], tuple[Runner, int]],
-        c: _lower.Call,
-        x: Any,
-        op: Any,
-        flat: Callable[..., None] | None,
-    ) -> None:
-        """Remember ``(x.dtype, op)`` for the direct path of ``name`` (all_reduce,
-        reduce_scatter) if a call like this one may take it.
-
-        A direct path (the top of those methods) is the lowering for a synchronous call on a
-        C-contiguous numpy array of a native dtype with a primitive op, without the layers
-        that other calls need: the engine is claimed and the communicator's runner for that
-        (dtype, op) called (``<name>_runner`` where the communicator has one, else ``flat``,
-        its primitive on flat views; None: no direct path). The pair is remembered only once
-        the general path has accepted it, so the direct path skips no argument check.
-        """
-        if self._debug or _trace.active or flat is None or type(x) is not np.ndarray:
-            return
-        if not x.dtype.isnative:
-            return
-        rop = _lower.reduce_op(c.where, op, x.dtype)
-        if rop in _lower.COMPOSED:
-            return
-        with contextlib.suppress(TypeError):  # an unhashable op is never remembered
-            key = (x.dtype, op)
-            if key not in table and len(table) < _DIRECT_PAIRS:
-                make = getattr(self._comm, f"{name}_runner", None)
-                run = make(x.dtype, rop) if make is not None else _flat_runner(flat, rop)
-                # The signature base the general path computes from its fields for this call.
-                axis = -1 if name == "all_reduce" else 0
-                table[key] = (run, _fingerprint.base(name, x.dtype, rop, -1, axis))
-
-    def _learn_moving(
-        self,
-        name: str,
-        table: dict[Any, tuple[Runner, int]],
-        x: Any,
-        *args: Any,
-        flat: Callable[..., None] | None = None,
-    ) -> None:
-        """Remember ``x.dtype`` for the direct path of ``name`` (all_gather, all_to_all,
-        broadcast: ops that move bytes without reducing), after the general path took a call
-        like this. ``args`` (broadcast's root) go to the runner and into the key,
-        ``(x.dtype, *args)``; the runner is the communicator's ``<name>_runner(*args)``, else
-        ``flat`` (default: the primitive ``<name>``) on flat views."""
-        if self._debug or _trace.active or type(x) is not np.ndarray or not x.dtype.isnative:
-            return
-        key = (x.dtype, *args) if args else x.dtype
-        if key not in table and len(table) < _DIRECT_PAIRS:
-            make = getattr(self._comm, f"{name}_runner", None)
-            if make is not None:
-                run = make(*args)
-            else:
-                run = _flat_runner(flat or getattr(self._comm, name), *args)
-            # The signature base the general path computes from its fields for this call.
-            if name == "broadcast":
-                first = _fingerprint.base(name, x.dtype, None, args[0])
-            else:
-                axis2 = 0 if name == "all_to_all" else -1
-                first = _fingerprint.base(name, x.dtype, None, -1, 0, axis2)
-            table[key] = (run, first)
-
-    def _run_direct(
-        self,
-        name: str,
-        direct: tuple[Runner, int],
-        x: np.ndarray,
-        shape: tuple[int, ...],
-        count: int,
-        extra: Any = None,
-        tiled: int = -1,
-    ) -> np.ndarray | None:
-        """A direct path's call: a fresh result of ``shape`` (``count`` elements of ``x``'s
-        dtype), filled by ``run(x, result)`` on the claimed engine, ``direct`` being
-        ``(run, signature base)``. ``extra``: the reduce op or root, for the ledger;
-        ``tiled``: for the signature. None: the engine is busy (queued async work, another
-        thread, a failed world): take the general path."""
-        run = direct[0]
-        seen = self._seen
-        if seen is not None and hash((direct[1], tiled, -1, 0, x.shape)) & _SIG_MASK not in seen:
-            return None  # a signature new to this group: the general path checks it first
-        engine = self._engine
-        if count * x.itemsize < _POOLED:
-            out = np.empty(shape, x.dtype)
-        else:
-            out = engine.results.take(x.dtype, count).reshape(shape)
-        if not engine.claim():
-            return None
-        self._seq = seq = self._seq + 1
-        book = self._book
-        entry = book.add(seq, name, x.dtype, x.shape, extra)
-        stamper = self._stamper
-        if stamper is not None:
-            # _fingerprint.stamp(_fingerprint.signature(direct[1], x.shape, tiled), seq),
-            # inline: a function call is a tenth of what this path may cost.
-            sig = hash((direct[1], tiled, -1, 0, x.shape)) & _SIG_MASK
-            stamper.stamp = (sig << _SEQ_BITS) | (seq & _SEQ_MASK)
-        try:
-            run(x, out)
-            book.end(entry, False)
-        except BaseException as exc:
-            if isinstance(exc, MismatchError):
-                # In words, for this rank and (through the sticky failure) later calls.
-                worded = self._mismatch(exc, name, seq, entry)
-                engine.poison(worded, f"{name} (op #{seq}) on {self._where}")
-                book.end(entry, True)
-                raise worded from None
-            engine.poison(exc, f"{name} (op #{seq}) on {self._where}")
-            judged = self._judged(exc, name, seq, entry) if isinstance(exc, CommTimeout) else exc
-            book.end(entry, True)
-            if judged is exc:
-                raise
-            raise judged from exc
-        finally:
-            engine.release()
-        return out
-
-    def _stamped(
-        self,
-        body: Callable[[], Any],
-        stamp: int,
-        op: str,
-        seq: int,
-        entry: _ledger.Entry | None,
-    ) -> Callable[[], Any]:
-        """``body`` run with the communicator carrying ``stamp``; a mismatch it raises comes
-        out with both calls in words (:meth:`_mismatch`)."""
-        holder = self._stamper
-
-        def stamped() -> Any:
-            holder.stamp = stamp
-            try:
-                return body()
-            except MismatchError as exc:
-                raise self._mismatch(exc, op, seq, entry) from None
-
-        return stamped
-
-    def _checked_first(
-        self,
-        body: Callable[[], Any],
-        row: np.ndarray,
-        sig: int,
-        op: str,
-        seq: int,
-        entry: _ledger.Entry | None,
-    ) -> Callable[[], Any]:
-        """``body`` after the first-call check of its signature ``sig``
-        (:func:`~meshcomm._fingerprint.check_first`; backends without stamps)."""
-        comm, ranks, seen, label = self._comm, self.ranks, self._seen, self.label
-        me = ranks[self.rank]
-        gather = getattr(comm, "check_all_gather", None)
-
-        def mine() -> str:
-            record = None if entry is None else _ledger.record(entry, time.monotonic())
-            return _called(me, record, op, seq).split(" called ", 1)[1]
-
-        what = f"{op} (op #{seq}) on {self._where}"
-
-        def checked() -> Any:
-            if sig not in seen:  # type: ignore[operator]
-                try:
-                    _fingerprint.check_first(comm, row, ranks, label, mine, gather)
-                except CommTimeout as exc:  # name the user's call, not the check's all_gather
-                    raise CommTimeout(f"{what}, checking its first call: {exc}") from exc
-                seen.add(sig)  # type: ignore[union-attr]
-            return body()
-
-        return checked
-
-    def _mismatch(
-        self, exc: MismatchError, op: str, seq: int, entry: _ledger.Entry | None
-    ) -> MismatchError:
-        """``exc`` (a peer's stamp differed from ours in call ``seq``) in the user's words:
-        this rank's call, the peer's (asked of its responder, from its ledger), the group;
-        published so that every member raises the same words. A mismatch that came from
-        another rank's record is already in words and comes back as it is."""
-        peer, theirs = exc.peer, exc.theirs
-        if peer is None or theirs is None:
-            return exc
-        me = self.ranks[self.rank]
-        now = time.monotonic()
-        mine = _ledger.record(entry, now) if entry is not None else None
-        pseq = _fingerprint.stamp_seq(theirs, seq)
-        other = None
-        if self.store is not None:
-            other = _responder.ask_call(self.store, peer, self.name, pseq, _ASK_WAIT)
-        text = (
-            f"ranks disagree on the collective {self.label}: "
-            f"{_called(me, mine, op, seq)}; {_called(peer, other, None, pseq)}"
-        )
-        if peer not in self.ranks or other is None:
-            text += f" (rank {peer}'s record of it could not be read)"
-        with contextlib.suppress(CommError):  # no store: this rank raises its own words
-            text = self._comm.publish_mismatch(text)
-        return MismatchError(text, peer, theirs)
-
-    def _judged(
-        self, exc: CommTimeout, op: str, seq: int, entry: _ledger.Entry | None = None
-    ) -> CommTimeout:
-        """``exc`` with the hang verdict added: which members waited in op ``seq``, and
-        where the others are (:mod:`meshcomm._verdict`); ``exc`` itself without a store.
-        ``entry``: the call's ledger record (the name the user called, its site)."""
-        if self.store is None or self.size == 1:
-            return exc
-        name, site = (op, _verdict.call_site()) if entry is None else _ledger.named(entry)
-        text = _verdict.report(
-            self.store,
-            self.name,
-            self.ranks,
-            self.ranks[self.rank],
-            name,
-            seq,
-            site,
-            _verdict.grace_seconds(self.timeout),
-            self.label,
-        )
-        _report.timed_out(f"{exc}\n  verdict: {text}" if text else str(exc))
-        return CommTimeout(f"{exc}\n  verdict: {text}") if text else exc
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -714,22 +349,19 @@ class ProcessGroup:
             >>> g.all_gather(x, axis=1).shape, g.all_gather(x, axis=1, tiled=True).shape
             ((2, 1, 3), (2, 3))
         """
-        if type(x) is np.ndarray and not async_op and type(axis) is int and axis == 0:
-            # Direct path: gathering at axis 0 is MPI's rank-major layout, nothing to move.
-            run = self._direct_gather.get(x.dtype)
-            if run is not None and x.flags.c_contiguous and (x.ndim or not tiled):
-                n = self.size
-                shape = (n * x.shape[0], *x.shape[1:]) if tiled else (n, *x.shape)
-                out = self._run_direct(
-                    "all_gather", run, x, shape, n * x.size, None, int(bool(tiled))
-                )
-                if out is not None:
-                    return out
+        if type(x) is np.ndarray and not async_op and type(axis) is int:
+            key = ("all_gather", x.dtype, x.shape, axis, tiled)
+            try:
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+                plan = None
+            if plan is None:  # made outside the handler: its errors come without a KeyError
+                plan = self._plan(key, _lower.plan_all_gather, x, axis, tiled)
+            if (run := plan.run) is not None and x.flags.c_contiguous:
+                return self._run_plan(plan, run, x)
         c = self._enter("all_gather")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
-        if dev is None and not async_op:
-            self._learn_moving("all_gather", self._direct_gather, x)
         return self._issue("all_gather", lowered, async_op, dev)
 
     def reduce_scatter(
@@ -767,34 +399,19 @@ class ProcessGroup:
             >>> g.reduce_scatter(np.arange(4.0).reshape(1, 4), axis=0)
             array([0., 1., 2., 3.])
         """
-        if (
-            type(x) is np.ndarray
-            and not async_op
-            and factor is None
-            and type(axis) is int
-            and axis == 0
-        ):
-            # Direct path: scattering along axis 0 sends rank r's block from where it lies.
+        if type(x) is np.ndarray and not async_op and factor is None and type(axis) is int:
+            key = ("reduce_scatter", x.dtype, x.shape, op, axis, tiled)
             try:
-                run = self._direct_scatter.get((x.dtype, op))
-            except TypeError:  # an unhashable op: the full path says what is wrong with it
-                run = None
-            n = self.size
-            if run is not None and rank_blocks_fit(x, n, tiled) and x.flags.c_contiguous:
-                block = (x.shape[0] // n, *x.shape[1:]) if tiled else x.shape[1:]
-                out = self._run_direct(
-                    "reduce_scatter", run, x, block, x.size // n, op, int(bool(tiled))
-                )
-                if out is not None:
-                    return out
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+                plan = None
+            if plan is None:  # made outside the handler: its errors come without a KeyError
+                plan = self._plan(key, _lower.plan_reduce_scatter, x, op, axis, tiled)
+            if (run := plan.run) is not None and x.flags.c_contiguous:
+                return self._run_plan(plan, run, x)
         c = self._enter("reduce_scatter")
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
-        if dev is None and not async_op and factor is None:
-            comm = self._comm
-            self._learn_reducing(
-                "reduce_scatter", self._direct_scatter, c, x, op, comm.reduce_scatter
-            )
         return self._issue("reduce_scatter", lowered, async_op, dev)
 
     def all_to_all(
@@ -838,21 +455,20 @@ class ProcessGroup:
             and not async_op
             and type(split_axis) is int
             and type(concat_axis) is int
-            and split_axis == concat_axis == 0
         ):
-            # Direct path: blocks along axis 0 are MPI's send and receive layout as they lie.
-            run = self._direct_a2a.get(x.dtype)
-            if run is not None and rank_blocks_fit(x, self.size, tiled) and x.flags.c_contiguous:
-                out = self._run_direct(
-                    "all_to_all", run, x, x.shape, x.size, None, int(bool(tiled))
-                )
-                if out is not None:
-                    return out
+            # Ints only: a key compares equal for 0, False and 0.0, and the checks differ.
+            key = ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled)
+            try:
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+                plan = None
+            if plan is None:  # made outside the handler: its errors come without a KeyError
+                plan = self._plan(key, _lower.plan_all_to_all, x, split_axis, concat_axis, tiled)
+            if (run := plan.run) is not None and x.flags.c_contiguous:
+                return self._run_plan(plan, run, x)
         c = self._enter("all_to_all")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
-        if dev is None and not async_op:
-            self._learn_moving("all_to_all", self._direct_a2a, x)
         return self._issue("all_to_all", lowered, async_op, dev)
 
     def broadcast(
@@ -894,25 +510,18 @@ class ProcessGroup:
             and shape is None
             and dtype is None
         ):
-            # Direct path: root sends from where x lies; the others receive into the result.
-            run = self._direct_bcast.get((x.dtype, root))
-            if run is not None and x.flags.c_contiguous:
-                out = self._run_direct("broadcast", run, x, x.shape, x.size, root)
-                if out is not None:
-                    return out
+            key = ("broadcast", x.dtype, x.shape, root)
+            try:
+                plan = self._plans[key]
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+                plan = None
+            if plan is None:  # made outside the handler: its errors come without a KeyError
+                plan = self._plan(key, _lower.plan_broadcast, x, root)
+            if (run := plan.run) is not None and x.flags.c_contiguous:
+                return self._run_plan(plan, run, x)
         c = self._enter("broadcast")
         x, dev = _staging.to_host(x)
         lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
-        flat = c.broadcast_out
-        if (
-            dev is None
-            and not async_op
-            and flat is not None
-            and type(root) is int
-            and shape is None
-            and dtype is None
-        ):
-            self._learn_moving("broadcast", self._direct_bcast, x, root, flat=flat)
         return self._issue("broadcast", lowered, async_op, dev)
 
     def reduce(
@@ -1110,173 +719,6 @@ class ProcessGroup:
         c = self._enter("recv")
         return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
 
-    # -- sub-groups ----------------------------------------------------------------------
-    def split(self, color: int | None, key: int | None = None) -> ProcessGroup | None:
-        """Partition the group by ``color`` (``MPI_Comm_split``); collective over the group.
-
-        Args:
-            color: ranks passing the same int form one new group; None: this rank joins none.
-            key: orders the new group's ranks (ties broken by the current rank); default is
-                this rank's group rank, keeping the current order.
-
-        Returns:
-            The new group this rank belongs to, or None for ``color=None``.
-
-        Raises:
-            TypeError: color or key is not an int.
-            CommError: communication failed.
-
-        Example:
-            >>> g = ProcessGroup(SelfCommunicator())
-            >>> g.split(color=0).ranks, g.split(color=None)
-            ((0,), None)
-        """
-        c = self._enter("split")
-        col = None if color is None else _lower.int64_arg(c.where, color, "color")
-        k = self.rank if key is None else _lower.int64_arg(c.where, key, "key")
-        self._children += 1
-        name = f"{self.name}/split{self._children}:{col}"
-        comm, size = self._comm, self.size
-
-        def body() -> ProcessGroup | None:
-            mine = np.array([0 if col is None else 1, col or 0, k], dtype=np.int64)
-            table = np.empty(3 * size, dtype=np.int64)
-            comm.all_gather(mine, table)
-            if col is None:
-                return None
-            rows = table.reshape(size, 3)
-            order = sorted(
-                (int(rows[r, 2]), r) for r in range(size) if rows[r, 0] and rows[r, 1] == col
-            )
-            return self._child(comm.sub([r for _, r in order]), name)
-
-        return self._issue("split", (body, {}), False)
-
-    def new_group(self, ranks: Iterable[int] | None = None) -> ProcessGroup | None:
-        """Make a sub-group of the given global ranks; called by every rank of this group.
-
-        As ``torch.distributed.new_group``: the members are ordered by global rank.
-
-        Args:
-            ranks: global ranks, all members of this group; None: all of them.
-
-        Returns:
-            The new group on its members; None on the other ranks.
-
-        Raises:
-            InvalidArgument: a rank that is not a member, a duplicate, or no ranks.
-            CommError: communication failed.
-
-        Example:
-            >>> g = ProcessGroup(SelfCommunicator())
-            >>> g.new_group([0]).ranks
-            (0,)
-        """
-        c = self._enter("new_group")
-        if ranks is None:
-            chosen = list(self.ranks)
-        else:
-            chosen = [_lower.int_arg(c.where, r, "rank") for r in ranks]
-        if not chosen:
-            raise InvalidArgument(f"{c.where}: new_group needs at least one rank, got none")
-        if len(set(chosen)) != len(chosen):
-            raise InvalidArgument(f"{c.where}: duplicate ranks in {chosen}")
-        outside = [r for r in chosen if r not in self.ranks]
-        if outside:
-            raise InvalidArgument(
-                f"{c.where}: ranks {outside} are not members of the group (members: "
-                f"{list(self.ranks)})"
-            )
-        members = sorted(self.ranks.index(r) for r in chosen)
-        self._children += 1
-        name = f"{self.name}/group{self._children}"
-        comm, me = self._comm, self.rank
-
-        def body() -> ProcessGroup | None:
-            if me not in members:
-                return None
-            return self._child(comm.sub(members), name)
-
-        fields = {"args": tuple(sorted(chosen))}
-        return self._issue("new_group", (body, fields), False)
-
-    def subgroup(self, ranks: Sequence[int], name: str) -> ProcessGroup:
-        """A group over global ``ranks`` (in that order), made by its members alone.
-
-        Unlike :meth:`split` and :meth:`new_group`, no other rank of this group takes part,
-        so a group can be made on first use by the ranks that use it (a mesh's groups are
-        made this way). Every member must call it with the same ranks, in the same order
-        relative to its other ``subgroup`` calls with those ranks.
-
-        Args:
-            ranks: global ranks of this group; this rank must be one of them.
-            name: the new group's name in error messages (the same on every member).
-
-        Raises:
-            InvalidArgument: duplicate ranks, ranks outside this group, or this rank is not
-                one of them.
-
-        Example:
-            >>> ProcessGroup(SelfCommunicator()).subgroup([0], "world/solo").ranks
-            (0,)
-        """
-        c = self._enter("subgroup")
-        chosen = [_lower.int_arg(c.where, r, "rank") for r in ranks]
-        outside = [r for r in chosen if r not in self.ranks]
-        if outside or len(set(chosen)) != len(chosen) or self.ranks[self.rank] not in chosen:
-            raise InvalidArgument(
-                f"{c.where}: subgroup ranks must be distinct members of the group including "
-                f"this rank {self.ranks[self.rank]}; got {chosen} (members: {list(self.ranks)})"
-            )
-        members = [self.ranks.index(r) for r in chosen]
-        comm = self._comm
-
-        def body() -> ProcessGroup:
-            return self._child(comm.sub(members), name)
-
-        # On the engine, after this group's earlier operations; no fingerprint: the other
-        # ranks of this group do not take part.
-        made: ProcessGroup = self._engine.submit(body, f"subgroup on {self._where}", False)
-        return made
-
-    def grid_split(self, dims: Sequence[int]) -> list[ProcessGroup] | None:
-        """One group per axis of a row-major grid over this group's ranks, in one call.
-
-        For a grid ``np.array(self.ranks).reshape(dims)``, axis ``d``'s group holds the ranks
-        whose coordinates differ only along ``d``, ranked by that coordinate: the groups a
-        :class:`~meshcomm.mesh.DeviceMesh` makes per axis. Backends with a grid primitive
-        make them all at once (mpi: ``MPI_Cart_create`` and one ``MPI_Cart_sub`` per axis);
-        the others return None without communicating, and the caller splits per axis.
-        Collective: every rank of the group calls it.
-
-        Raises:
-            InvalidArgument: ``dims`` are not positive or do not multiply to the size.
-            CommError: communication failed.
-
-        Example:
-            >>> ProcessGroup(SelfCommunicator()).grid_split((1, 1)) is None  # no grid primitive
-            True
-        """
-        c = self._enter("grid_split")
-        shape = tuple(_lower.int_arg(c.where, d, "dims") for d in dims)
-        if not shape or any(d < 1 for d in shape) or math.prod(shape) != self.size:
-            raise InvalidArgument(
-                f"{c.where}: dims must be positive and multiply to the group size {self.size}, "
-                f"got {list(shape)}"
-            )
-        cart_subs = getattr(self._comm, "cart_subs", None)
-        if cart_subs is None:
-            return None
-        self._children += 1
-        name = f"{self.name}/grid{self._children}"
-
-        def body() -> list[ProcessGroup]:
-            comms = cart_subs(shape)
-            return [self._child(comm, f"{name}:axis{d}") for d, comm in enumerate(comms)]
-
-        result: list[ProcessGroup] = self._issue("grid_split", (body, {"args": shape}), False)
-        return result
-
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
         return ProcessGroup(comm, store=self.store, name=name, _parent=self)
 
@@ -1295,17 +737,11 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
-        for runners in (
-            self._direct_reduce,
-            self._direct_gather,
-            self._direct_scatter,
-            self._direct_a2a,
-            self._direct_bcast,
-        ):
-            runners.clear()  # the direct paths do not check _closed
+        # Every call is refused from here on; queued operations finish, and only then do
+        # the groups made from this one and the communicator go.
+        self._issuer.close(f"the group {self.name!r} was closed", self.timeout)
         for kid in list(self._kids):
             kid.close()
-        self._engine.close(f"the group {self.name!r} was closed", self.timeout)
         self._comm.close()
 
     def __enter__(self) -> ProcessGroup:
@@ -1313,44 +749,6 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _booked(entry: _ledger.Entry, body: Callable[[], Any]) -> Callable[[], Any]:
-    """``body`` that marks its ledger ``entry`` ended when it ends (async operations)."""
-
-    def booked() -> Any:
-        try:
-            result = body()
-        except BaseException:
-            _ledger.Ledger.end(entry, True)
-            raise
-        _ledger.Ledger.end(entry, False)
-        return result
-
-    return booked
-
-
-def _traced(
-    recorder: _trace.Recorder,
-    body: Callable[[], Any],
-    group: str,
-    op: str,
-    seq: int,
-    fields: dict[str, Any],
-) -> Callable[[], Any]:
-    """``body`` timed into ``recorder``: called now, run and finished when it runs."""
-    issued = time.time()
-    dtype, shape = fields.get("dtype"), fields.get("shape")
-    nbytes = int(np.prod(shape)) * dtype.itemsize if dtype is not None and shape is not None else 0
-
-    def timed() -> Any:
-        start = time.time()
-        try:
-            return body()
-        finally:
-            recorder.add(group, op, seq, nbytes, issued, start, time.time())
-
-    return timed
 
 
 def new_group(

@@ -591,33 +591,45 @@ def _check_async(s: _Suite, g: ProcessGroup) -> None:
 def _check_repeated_calls(s: _Suite, g: ProcessGroup) -> None:
     """The same call signature three times in a row, with fresh data each time.
 
-    A group answers a repeated signature from what it learnt on the first call (a cached
-    runner on most backends), so the second and third calls take another route than the
-    first: each must still match numpy, for every dtype, op and root.
+    A group runs a repeated signature through the plan it made on the first call (the
+    backend's runner for it, or its primitive on flat views), so the calls after the first
+    take the fast case of that route: each must still match numpy, for every collective a
+    plan serves (all_reduce, all_gather, reduce_scatter and all_to_all at axis 0, stacked
+    and tiled, broadcast from every root), dtype, op and root.
     """
     n, me = g.size, g.rank
     for dt in s.dtypes:
         for op in _valid_ops(dt):
             if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
                 continue  # composed from sum above the backend: the sum rows cover them
-            for shape in ((5,), (5,), (2, 3)):  # a cached runner takes any shape
+            for shape in ((5,), (5,), (2, 3)):  # a new shape is a new signature
                 seed = s.seed()
                 xs = [_data(seed, r, shape, dt, op) for r in g.ranks]
                 what = f"repeated all_reduce dtype={dtype_name(dt)} op={op.value} shape={shape}"
                 s.expect(what, s.call(what, g.all_reduce, xs[me], op), _reduce_oracle(op, xs, dt))
+        ordered = ReduceOp.MAX in _valid_ops(dt)
         for _ in range(3):
             seed = s.seed()
             xs = [_data(seed, r, (n, 2), dt) for r in g.ranks]
             name = dtype_name(dt)
             what = f"repeated all_gather dtype={name} shape={(n, 2)}"
             s.expect(what, s.call(what, g.all_gather, xs[me], tiled=True), np.concatenate(xs))
+            what = f"repeated stacked all_gather dtype={name} shape={(n, 2)}"
+            s.expect(what, s.call(what, g.all_gather, xs[me]), np.stack(xs))
             what = f"repeated all_to_all dtype={name} shape={(n, 2)}"
             s.expect(what, s.call(what, g.all_to_all, xs[me]), np.stack([x[me] for x in xs]))
+            what = f"repeated tiled all_to_all dtype={name} shape={(n, 2)}"
+            got = s.call(what, g.all_to_all, xs[me], tiled=True)
+            s.expect(what, got, np.concatenate([x[me : me + 1] for x in xs]))
             if dt.kind != "b":
                 total = _reduce_oracle(ReduceOp.SUM, xs, dt)
                 what = f"repeated reduce_scatter dtype={name} shape={(n, 2)}"
                 got = s.call(what, g.reduce_scatter, xs[me], "sum", 0, True)
                 s.expect(what, got, total[me : me + 1])
+            if ordered:
+                top = _reduce_oracle(ReduceOp.MAX, xs, dt)
+                what = f"repeated stacked reduce_scatter max dtype={name} shape={(n, 2)}"
+                s.expect(what, s.call(what, g.reduce_scatter, xs[me], "max"), top[me])
             for root in range(n):
                 what = f"repeated broadcast dtype={name} root={root}"
                 s.expect(what, s.call(what, g.broadcast, xs[me], root), xs[root])
@@ -749,28 +761,54 @@ def _check_subgroup(s: _Suite, sub: ProcessGroup, label: str, seed: int) -> None
 
 
 def _check_closed_group(s: _Suite, g: ProcessGroup) -> None:
-    """A closed group refuses every collective at once, on every route (cached ones too)."""
+    """A closed group refuses every collective at once with CommError, on every route: a
+    signature whose plan it had (called before), one it never saw, lowered calls (other
+    axes, ``avg``, async, strided inputs), rooted and point-to-point calls, sub-groups."""
     sub = g.new_group()
     if sub is None:
         s.fail("new_group() of every rank returned None")
         return
-    x = _data(s.seed(), s.me, (sub.size, 2), np.float32)
-    calls: dict[str, Callable[[], Any]] = {
-        "all_reduce": lambda: sub.all_reduce(x, "sum"),
-        "all_reduce max": lambda: sub.all_reduce(x, "max"),
-        "all_gather": lambda: sub.all_gather(x, tiled=True),
-        "reduce_scatter": lambda: sub.reduce_scatter(x, "sum", 0, True),
-        "all_to_all": lambda: sub.all_to_all(x),
-        "broadcast": lambda: sub.broadcast(x, 0),
-        "barrier": sub.barrier,
+    n = sub.size
+    x = _data(s.seed(), s.me, (n, 2), np.float32)
+    fresh = _data(s.seed(), s.me, (n, 3), np.float32)  # no call ever had this signature
+    calls: dict[str, Callable[[np.ndarray], Any]] = {
+        "all_reduce": lambda y: sub.all_reduce(y, "sum"),
+        "all_reduce max": lambda y: sub.all_reduce(y, "max"),
+        "all_reduce avg": lambda y: sub.all_reduce(y, "avg"),
+        "all_reduce async": lambda y: sub.all_reduce(y, async_op=True).wait(),
+        "all_reduce strided": lambda y: sub.all_reduce(y[:, ::2]),
+        "all_gather": sub.all_gather,
+        "all_gather tiled": lambda y: sub.all_gather(y, tiled=True),
+        "all_gather axis 1": lambda y: sub.all_gather(y, axis=1),
+        "reduce_scatter": lambda y: sub.reduce_scatter(y, "sum", 0, True),
+        "reduce_scatter stacked": lambda y: sub.reduce_scatter(y, "max"),
+        "all_to_all": sub.all_to_all,
+        "all_to_all tiled": lambda y: sub.all_to_all(y, tiled=True),
+        "broadcast": lambda y: sub.broadcast(y, 0),
+        "broadcast last root": lambda y: sub.broadcast(y, n - 1),
+        "reduce": lambda y: sub.reduce(y, 0),
+        "gather": lambda y: sub.gather(y, 0),
+        "scatter": lambda y: sub.scatter(y, 0),
+        "permute": lambda y: sub.permute(y, [(r, (r + 1) % n) for r in range(n)]),
+        "barrier": lambda y: sub.barrier(),
     }
-    for _ in range(2):  # a signature's second call takes its cached route
+    for _ in range(2):  # a signature's second call finds its plan
         for call in calls.values():
-            call()
+            call(x)
     sub.close()
+    refused: dict[str, Callable[[], Any]] = {}
     for name, call in calls.items():
+        refused[f"{name} (seen)"] = functools.partial(call, x)
+        refused[f"{name} (new)"] = functools.partial(call, fresh)
+    refused |= {
+        "send": lambda: sub.send(x, 0),
+        "recv": lambda: sub.recv(0),
+        "split": lambda: sub.split(0),
+        "new_group": sub.new_group,
+    }
+    for name, refuse in refused.items():
         what = f"{name} on a closed group"
         start = time.monotonic()
-        s.raises(what, CommError, call)
+        s.raises(what, CommError, refuse)
         if time.monotonic() - start > 1.0:
             s.fail(f"{what}: took {time.monotonic() - start:.1f} s to refuse")

@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 
 import meshcomm._arrays
+import meshcomm._call_checks
 import meshcomm._fingerprint
+import meshcomm._issuing
 import meshcomm._lower
+import meshcomm._subgroups
+import meshcomm.backends.base
 import meshcomm.backends.local
 import meshcomm.group
 import meshcomm.testing
@@ -528,16 +532,16 @@ class _FailingOutOfPlaceSelf(_OutOfPlaceSelf):
             raise CommTimeout("peer went away")
 
 
-def test_all_reduce_direct_path_matches_the_general_one() -> None:
+def test_all_reduce_plans_match_the_lowered_route() -> None:
     comm = _OutOfPlaceSelf(timeout=10)
     g = ProcessGroup(comm, name="world")
     for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
-        for _ in range(3):  # the first call teaches the direct path, the others take it
+        for _ in range(3):  # the first call makes the plan, the others find it
             got = g.all_reduce(x, "max")
             assert got.shape == np.shape(x) and got.dtype == np.asarray(x).dtype
             assert not np.shares_memory(got, x)
             np.testing.assert_array_equal(got, x)
-    assert comm.calls == 9 and g.seq == 9 and g._direct_reduce
+    assert comm.calls == 9 and g.seq == 9
     # Issue order holds: behind queued work a synchronous call waits its turn.
     x = np.ones(4)
     gate, order = threading.Event(), []
@@ -554,11 +558,11 @@ def test_all_reduce_direct_path_matches_the_general_one() -> None:
         g.all_reduce(x)
 
 
-def test_all_reduce_direct_path_failure_poisons_the_group() -> None:
+def test_a_failing_plan_poisons_the_group() -> None:
     g = ProcessGroup(_FailingOutOfPlaceSelf(timeout=10), name="world")
     x = np.ones(3, np.float32)
     g.all_reduce(x)
-    g.all_reduce(x)  # the direct path
+    g.all_reduce(x)  # its plan, found
     with pytest.raises(CommTimeout, match="peer went away"):
         g.all_reduce(x)
     with pytest.raises(CommError, match=r"failed earlier.*all_reduce \(op #3\)"):
@@ -566,12 +570,22 @@ def test_all_reduce_direct_path_failure_poisons_the_group() -> None:
     g.close()
 
 
-def test_all_reduce_direct_path_is_off_in_debug_mode() -> None:
-    comm = _OutOfPlaceSelf(timeout=10)
+def test_debug_mode_checks_every_planned_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[str] = []
+    real = meshcomm._fingerprint.check
+    monkeypatch.setattr(
+        meshcomm._fingerprint, "check", lambda *a: (checked.append(a[-1]), real(*a))
+    )
+    comm = _CountingSelf(timeout=10)
     g = ProcessGroup(comm, name="world", debug=True)
     for _ in range(3):
-        g.all_reduce(np.ones(2))
-    assert not g._direct_reduce  # every call went through the fingerprint check
+        np.testing.assert_array_equal(g.all_reduce(np.ones(2)), np.ones(2))
+        g.all_gather(np.ones(2), tiled=True)
+        g.reduce_scatter(np.ones(2), tiled=True)
+        g.all_to_all(np.ones(2), tiled=True)
+        g.broadcast(np.ones(2), 0)
+    assert len(checked) == 15 and g.seq == 15
+    assert comm.scatters == comm.exchanges == comm.broadcasts == 3  # the plans' runners
     g.close()
 
 
@@ -599,11 +613,11 @@ class _CountingSelf(SelfCommunicator):
             np.copyto(recv, send)
 
 
-def test_gather_scatter_and_all_to_all_direct_paths_match_the_general_ones() -> None:
+def test_gather_scatter_and_all_to_all_plans_match_the_lowered_route() -> None:
     comm = _CountingSelf(timeout=10)
     g = ProcessGroup(comm, name="world")
     for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
-        for _ in range(3):  # the first call teaches the direct path, the others take it
+        for _ in range(3):  # the first call makes the plan, the others find it
             got = g.all_gather(x)
             assert got.shape == (1, *np.shape(x)) and not np.shares_memory(got, x)
             np.testing.assert_array_equal(got[0], x)
@@ -617,10 +631,9 @@ def test_gather_scatter_and_all_to_all_direct_paths_match_the_general_ones() -> 
                 got = g.all_to_all(x, 0, 0, tiled=True)
                 assert got.shape == np.shape(x) and not np.shares_memory(got, x)
                 np.testing.assert_array_equal(got, x)
-    assert g._direct_gather and g._direct_scatter and g._direct_a2a
     assert comm.gathers == 15 and comm.scatters == 6 and comm.exchanges == 6 and g.seq == 27
-    assert g.all_to_all(np.ones((2, 1)), 1, 0).shape == (1, 2)  # other axes: general path
-    # What the direct paths leave to the general path: other axes, async, errors.
+    assert g.all_to_all(np.ones((2, 1)), 1, 0).shape == (1, 2)  # other axes: lowered
+    # What the plans leave to the lowering: other axes, async; errors come from either.
     x = np.arange(6.0).reshape(3, 2)
     assert g.all_gather(x, axis=1).shape == (3, 1, 2)
     np.testing.assert_array_equal(g.all_gather(x, tiled=True, async_op=True).wait(10), x)
@@ -633,29 +646,18 @@ def test_gather_scatter_and_all_to_all_direct_paths_match_the_general_ones() -> 
         g.all_gather(x, tiled=True)
 
 
-def test_gather_scatter_and_all_to_all_direct_paths_are_off_in_debug_mode() -> None:
-    g = ProcessGroup(_CountingSelf(timeout=10), name="world", debug=True)
-    for _ in range(3):
-        g.all_gather(np.ones(2), tiled=True)
-        g.reduce_scatter(np.ones(2), tiled=True)
-        g.all_to_all(np.ones(2), tiled=True)
-    assert not g._direct_gather and not g._direct_scatter and not g._direct_a2a
-    g.close()
-
-
-def test_broadcast_direct_path_matches_the_general_one() -> None:
+def test_broadcast_plans_match_the_lowered_route() -> None:
     comm = _CountingSelf(timeout=10)
     g = ProcessGroup(comm, name="world")
     for x in (np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(2.5), np.zeros((0, 4))):
-        for _ in range(3):  # the first call teaches the direct path, the others take it
+        for _ in range(3):  # the first call makes the plan, the others find it
             got = g.broadcast(x, 0)
             assert got.shape == np.shape(x) and got.dtype == np.asarray(x).dtype
             assert not np.shares_memory(got, x)
             np.testing.assert_array_equal(got, x)
-    assert set(g._direct_bcast) == {(np.dtype(np.int32), 0), (np.dtype(np.float64), 0)}
     assert comm.broadcasts == 9 and g.seq == 9
-    # What the direct path leaves to the general path: a root spelled otherwise, shape and
-    # dtype given, async, strided inputs, errors.
+    # What the plans leave to the lowering: a root spelled otherwise, shape and dtype
+    # given, async, strided inputs; errors come from either.
     x = np.arange(6.0).reshape(2, 3)
     np.testing.assert_array_equal(g.broadcast(x, np.int64(0)), x)
     np.testing.assert_array_equal(g.broadcast(x, 0, shape=(2, 3), dtype=np.float64), x)
@@ -667,15 +669,10 @@ def test_broadcast_direct_path_matches_the_general_one() -> None:
         g.broadcast(x, 1)
     with pytest.raises(InvalidArgument, match="must pass the array"):
         g.broadcast(None, 0, shape=(2,), dtype=np.float64)
-    assert len(g._direct_bcast) == 2 and g.seq == 13
+    assert g.seq == 13
     g.close()
     with pytest.raises(CommError, match="closed"):
         g.broadcast(x, 0)
-    debug = ProcessGroup(_CountingSelf(timeout=10), name="world", debug=True)
-    for _ in range(3):
-        debug.broadcast(np.ones(2), 0)
-    assert not debug._direct_bcast  # every call went through the fingerprint check
-    debug.close()
 
 
 def test_result_pool_recycles_only_dropped_results() -> None:
@@ -726,8 +723,10 @@ def test_large_results_reuse_memory_in_a_loop(g: ProcessGroup) -> None:
 
 
 def test_all_gather_axis0_result_is_the_receive_buffer(g: ProcessGroup) -> None:
-    got = g.all_gather(np.ones((2, 3)))
-    assert got.base is not None and got.base.size == 6  # a view of the flat receive buffer
+    for x in (np.ones((2, 3)), np.ones((2, 3))[:, ::2]):  # its plan's route; the lowered one
+        got = g.all_gather(x)
+        # The receive buffer itself, or a view of it (the flat buffer): no copy after.
+        assert (got.base if got.base is not None else got).size == x.size
 
 
 # -- docs -------------------------------------------------------------------------------------
@@ -739,6 +738,10 @@ def test_all_gather_axis0_result_is_the_receive_buffer(g: ProcessGroup) -> None:
         meshcomm._arrays,
         meshcomm._lower,
         meshcomm._fingerprint,
+        meshcomm._call_checks,
+        meshcomm._issuing,
+        meshcomm._subgroups,
+        meshcomm.backends.base,
         meshcomm.backends.local,
     ],
     ids=lambda m: m.__name__,

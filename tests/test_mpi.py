@@ -232,8 +232,8 @@ def dtypes() -> list[str]:
 
 
 @case
-def direct_path() -> list[str]:
-    """The direct paths of synchronous all_reduce, all_gather, reduce_scatter, all_to_all and
+def plans() -> list[str]:
+    """The plans of synchronous all_reduce, all_gather, reduce_scatter, all_to_all and
     broadcast (MPI's runners): shapes, dtypes, ops, roots, pooled sizes, against numpy."""
     import ml_dtypes
 
@@ -259,7 +259,7 @@ def direct_path() -> list[str]:
                 ]
                 expected = ufunc.reduce(np.stack(inputs), axis=0, dtype=dt)
                 x = inputs[me].copy()
-                for call in range(3):  # the first call teaches the direct path
+                for call in range(3):  # the first call makes the plan
                     got = group.all_reduce(x, op)
                     same = got.shape == shape and got.dtype == dt
                     if not same or not np.array_equal(got, expected):
@@ -328,19 +328,13 @@ def direct_path() -> list[str]:
                 failures.append(f"rank {me}: indivisible reduce_scatter returned")
             except meshcomm.errors.InvalidArgument:
                 pass
-        tables = (
-            group._direct_reduce,
-            group._direct_gather,
-            group._direct_scatter,
-            group._direct_a2a,
-            group._direct_bcast,
-        )
-        # Each entry: (runner, signature base).
-        runners = {getattr(r[0], "__qualname__", "") for t in tables for r in t.values()}
-        if [len(t) for t in tables] != [len(kinds)] * 4 + [len(bcast_keys)] or runners != {
-            "MpiCommunicator._runner.<locals>.run"
-        }:
-            failures.append(f"rank {me}: direct path runners {runners}, {[len(t) for t in tables]}")
+        # Every plan with a runner runs one of MPI's (Communicator.runner), for every collective.
+        planned = [p for p in group._plans.values() if p.run is not None]
+        runners = {getattr(p.run, "__qualname__", "") for p in planned}
+        collectives = {p.collective for p in planned}
+        everyone = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+        if runners != {"MpiCommunicator._runner.<locals>.run"} or collectives != everyone:
+            failures.append(f"rank {me}: plans' runners {runners} for {collectives}")
         group.close()
         try:
             group.all_reduce(np.ones(3, np.float32))
@@ -391,7 +385,19 @@ def communicator() -> list[str]:
             buf = np.ones(1)
             sub.all_reduce(buf, ReduceOp.SUM)
             check("split all_reduce", buf[0] == len(expected), buf)
+            f64, total = np.dtype(np.float64), ReduceOp.SUM
+            runners = {
+                name: sub.runner(name, f64, arg)
+                for name, arg in [("all_reduce", total), ("reduce_scatter", total),
+                                  ("all_gather", None), ("all_to_all", None), ("broadcast", 0)]
+            }  # fmt: skip
             sub.close()
+            for name, run in runners.items():  # a runner made before close() refuses after it
+                try:
+                    run(np.ones(sub.size), np.ones(sub.size))
+                    check(f"{name} runner of a closed communicator refuses", False)
+                except CommError as exc:
+                    check(f"{name} runner refusal names the closing", "closed" in str(exc), exc)
         else:
             check("split None", me == 0)
         # cart_subs: one communicator per axis, rank = coordinate along the axis.
@@ -506,15 +512,15 @@ def collective_timeout() -> str:
 
 
 @case
-def direct_path_timeout() -> list[str]:
-    """Rank 0 leaves after one all_reduce: the others' next one (the direct path) times out
+def plan_timeout() -> list[str]:
+    """Rank 0 leaves after one all_reduce: the others' next one (its plan, found) times out
     naming all_reduce, and every later call refuses at once, naming the first failure."""
     import meshcomm
     from meshcomm.errors import CommError, CommTimeout
 
     group = meshcomm.init(backend="mpi", timeout=2.0)
     x = np.ones(4, np.float32)
-    group.all_reduce(x)  # teaches the direct path
+    group.all_reduce(x)  # makes its plan
     if group.rank == 0:
         time.sleep(0.5)
         return ["skipped"]  # exits without shutdown: nothing may wait on it
@@ -693,8 +699,8 @@ def test_dtype_edge_cases_against_numpy(user_ops: str) -> None:
 
 
 @pytest.mark.parametrize("nprocs", [1, 3])
-def test_all_reduce_direct_path_runs_on_mpi_runners(nprocs: int) -> None:
-    failures = [f for per_rank in run_case(nprocs, "direct_path") for f in per_rank]
+def test_plans_run_on_mpi_runners(nprocs: int) -> None:
+    failures = [f for per_rank in run_case(nprocs, "plans") for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 
 
@@ -734,8 +740,8 @@ def test_with_a_store_a_timeout_says_where_the_lagging_rank_is() -> None:
         assert "its last completed collective there was all_reduce #1 at test_mpi.py:" in message
 
 
-def test_a_missing_peer_times_out_the_direct_path_too() -> None:
-    results = run_case(3, "direct_path_timeout", timeout=60)
+def test_a_missing_peer_times_out_a_planned_call_too() -> None:
+    results = run_case(3, "plan_timeout", timeout=60)
     assert results[0] == ["skipped"]
     for timeout, refusal in results[1:]:
         assert timeout.startswith("CommTimeout after"), timeout
@@ -817,7 +823,7 @@ def _open_mpi_python() -> str:
 @pytest.mark.parametrize(("nprocs", "name"), [(1, "conformance"), (2, "conformance"),
                                               (4, "conformance"), (8, "conformance"),
                                               (3, "dtypes"), (4, "communicator"),
-                                              (8, "mesh_groups"), (3, "direct_path")])  # fmt: skip
+                                              (8, "mesh_groups"), (3, "plans")])  # fmt: skip
 def test_open_mpi(nprocs: int, name: str) -> None:
     python = _open_mpi_python()
     failures = [f for per_rank in run_case(nprocs, name, python=python) for f in per_rank]

@@ -8,18 +8,30 @@ maps them to world ranks for error messages.
 Reduce ops reaching a backend are the primitive ones: SUM, PROD, MIN, MAX, BAND, BOR, BXOR.
 Every blocking method raises :class:`~meshcomm.errors.CommTimeout` after the communicator's
 timeout and :class:`~meshcomm.errors.PeerError` (naming the global rank) when a peer is gone.
+
+Besides the abstract primitives, the class declares the optional routes a backend may offer
+(the group layer asks for them by these names only, never by probing attributes):
+``all_reduce_out`` and ``broadcast_out`` (out of place; the defaults copy, then run the
+in-place primitive), :meth:`Communicator.runner` (a runner prepared for one call signature;
+default None: not offered), :meth:`Communicator.check_all_gather` (default: ``all_gather``)
+and :meth:`Communicator.grid_splitter` (default None: no grid primitive).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from meshcomm.reduction import ReduceOp
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "Runner"]
+
+#: ``run(send, recv)``: one collective of one call signature from ``send`` into ``recv``, two
+#: C-contiguous host arrays in the layout the collective has at axis 0 (any shape: a runner
+#: reads the counts from the buffers).
+Runner = Callable[[np.ndarray, np.ndarray], None]
 
 
 class Communicator(ABC):
@@ -65,6 +77,63 @@ class Communicator(ABC):
         :class:`~meshcomm.errors.MismatchError`; return the words to raise here (the first
         published, where another rank may have been first). Default: ``reason`` alone."""
         return reason
+
+    def check_all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """``all_gather`` of host arrays for the group layer's first-call mismatch checks
+        (:func:`~meshcomm._fingerprint.check_first`). Default: :meth:`all_gather`; a backend
+        that can keep the checks off its collectives' channel (mpi: the point-to-point
+        duplicate) overrides it, so a rank alone in a check never matches the others'
+        collective."""
+        self.all_gather(send, recv)
+
+    # -- optional routes -----------------------------------------------------------------
+    def runner(self, collective: str, dtype: np.dtype, arg: ReduceOp | int | None) -> Runner | None:
+        """A :data:`Runner` prepared for one call signature, or None (the default): not
+        offered, and the group layer runs the primitive on flat views instead.
+
+        Args:
+            collective: ``"all_reduce"``, ``"reduce_scatter"`` (``arg``: the primitive
+                reduce op), ``"all_gather"``, ``"all_to_all"`` (``arg`` None) or
+                ``"broadcast"`` (``arg``: the root).
+            dtype: the arrays' dtype (native byte order).
+
+        A runner must refuse to run once the communicator is closed, as the primitives do.
+
+        Example:
+            >>> from meshcomm.backends.local import SelfCommunicator
+            >>> SelfCommunicator().runner("all_reduce", np.dtype(np.float32), ReduceOp.SUM)
+        """
+        return None
+
+    def grid_splitter(self) -> Callable[[Sequence[int]], Sequence[Communicator]] | None:
+        """``split(dims)``: one communicator per axis of a row-major grid of this
+        communicator's ranks, made in one collective step (mpi: ``MPI_Cart_create`` and
+        ``MPI_Cart_sub``); None (the default): no grid primitive, and the caller splits per
+        axis.
+
+        Example:
+            >>> from meshcomm.backends.local import SelfCommunicator
+            >>> SelfCommunicator().grid_splitter() is None
+            True
+        """
+        return None
+
+    def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+        """Out of place: ``recv`` gets the reduction of every rank's ``send`` (only read).
+
+        The group layer hands a synchronous call's input over as ``send``. Default: copy
+        ``send`` into ``recv``, then :meth:`all_reduce` in place; a backend that reduces
+        straight from ``send`` overrides it (one pass over memory fewer)."""
+        np.copyto(recv, send)
+        self.all_reduce(recv, op)
+
+    def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+        """Root's ``send`` into every rank's ``recv`` (root's too); ``send`` is only read, on
+        root. Default: root copies ``send`` into ``recv``, then :meth:`broadcast`; a backend
+        that sends from ``send`` while root copies overrides it."""
+        if send is not None and self.rank == root:
+            np.copyto(recv, send)
+        self.broadcast(recv, root)
 
     # -- collectives ---------------------------------------------------------------------
     @abstractmethod

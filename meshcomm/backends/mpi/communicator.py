@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES
-from meshcomm.backends.base import Communicator
+from meshcomm.backends.base import Communicator, Runner
 from meshcomm.backends.mpi import _device
 from meshcomm.backends.mpi._lib import comm_error, cuda_support, load, require_thread_level
 from meshcomm.backends.mpi._request import MpiRequest, Patience, default_patience, poll
@@ -503,8 +503,8 @@ class MpiCommunicator(Communicator):
 
     # -- collectives: blocking -----------------------------------------------------------
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
-        # Synchronous group calls take all_reduce_runner; this in-place form serves the
-        # general path (async snapshots, composed ops), where one layer more is noise.
+        # Synchronous group calls take all_reduce_runner (their plan's runner); this
+        # in-place form serves the lowered calls (async snapshots, composed ops).
         self._run("all_reduce", self._start_all_reduce, buf, op)
 
     def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
@@ -520,7 +520,7 @@ class MpiCommunicator(Communicator):
     ) -> Callable[[np.ndarray, np.ndarray], None]:
         """Return ``run(send, recv)``: :meth:`all_reduce_out` for host arrays of ``dtype``.
 
-        The group layer's direct path calls it for every synchronous ``all_reduce`` of that
+        The group layer's plans call it for every synchronous ``all_reduce`` of that
         (dtype, op): the MPI datatype and op are looked up once, here, and ``send`` and
         ``recv`` may have any shape (both C-contiguous numpy arrays, the same shape): MPI
         reads the count from the buffers.
@@ -611,17 +611,44 @@ class MpiCommunicator(Communicator):
 
         return self._runner("broadcast", begin)
 
+    def runner(self, collective: str, dtype: np.dtype, arg: ReduceOp | int | None) -> Runner:
+        """The runner of :meth:`all_reduce_runner`, :meth:`reduce_scatter_runner`,
+        :meth:`all_gather_runner`, :meth:`all_to_all_runner` or :meth:`broadcast_runner`
+        for ``collective`` (the :class:`~meshcomm.backends.base.Communicator` hook).
+
+        Raises:
+            InvalidArgument: an unknown collective, or ``arg`` wrong for it.
+        """
+        if collective in ("all_reduce", "reduce_scatter") and isinstance(arg, ReduceOp):
+            if collective == "all_reduce":
+                return self.all_reduce_runner(dtype, arg)
+            return self.reduce_scatter_runner(dtype, arg)
+        if collective == "all_gather" and arg is None:
+            return self.all_gather_runner()
+        if collective == "all_to_all" and arg is None:
+            return self.all_to_all_runner()
+        if collective == "broadcast" and isinstance(arg, int):
+            return self.broadcast_runner(arg)
+        raise InvalidArgument(f"{self._at('runner')}: no runner for {collective}({arg!r})")
+
+    def grid_splitter(self) -> Callable[[Sequence[int]], Sequence[Communicator]]:
+        """:meth:`cart_subs` (the :class:`~meshcomm.backends.base.Communicator` hook)."""
+        return self.cart_subs
+
     def _runner(
         self, what: str, begin: Callable[[np.ndarray, np.ndarray], Any]
     ) -> Callable[[np.ndarray, np.ndarray], None]:
         """Wrap ``begin(send, recv) -> MPI request`` into a runner that completes it (poll,
-        timeout, MPI errors as meshcomm errors; buffers kept alive if it never completes)."""
+        timeout, MPI errors as meshcomm errors; buffers kept alive if it never completes).
+        Like every primitive, it refuses to run once the communicator is closed."""
         error_type = self._error_type
 
         def late() -> str:
             return self._late(what)
 
         def run(send: np.ndarray, recv: np.ndarray) -> None:
+            if self._closed:  # MPI would run on a freed communicator
+                self._check(what)
             request = None
             try:
                 request = begin(send, recv)

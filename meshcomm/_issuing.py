@@ -1,0 +1,284 @@
+"""How a group's calls run: argument checks first, then the progress engine, in issue order.
+
+An :class:`Issuer` belongs to one :class:`~meshcomm.group.ProcessGroup` and holds what its
+calls share: the engine, the sequence number, the ledger, the mismatch checks' state, the
+lowering contexts, and the group's one plan cache. Every collective comes through one of
+two doors: :meth:`Issuer.issue` for a lowered call (a body and its fingerprint fields from
+:mod:`meshcomm._lower`), and :meth:`Issuer.run_plan` for a call that found (or made, with
+:meth:`Issuer.plan`) the plan of its signature, whose fast case runs the plan's runner
+inline on the claimed engine and whose other cases hand the same runner to
+:meth:`Issuer.issue`. A closed group's engine refuses both.
+
+Example:
+    >>> from meshcomm.backends.local import SelfCommunicator
+    >>> from meshcomm.group import ProcessGroup
+    >>> g = ProcessGroup(SelfCommunicator())
+    >>> issuer = g._issuer
+    >>> plan = issuer.plan(("all_reduce",), _lower.plan_all_reduce, np.ones(2), "sum")
+    >>> issuer.run_plan(plan, plan.run, np.ones(2)), issuer.seq
+    (array([1., 1.]), 1)
+    >>> g.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from meshcomm import _call_checks, _fingerprint, _ledger, _lower, _staging
+from meshcomm import trace as _trace
+from meshcomm._arrays import ResultPool
+from meshcomm.backends.base import Communicator, Runner
+from meshcomm.errors import CommError, CommTimeout, MismatchError
+from meshcomm.work import ProgressEngine, Work
+
+if TYPE_CHECKING:
+    from meshcomm.group import ProcessGroup
+
+__all__ = ["Issuer"]
+
+#: At most this many plans per group (a loop calls a few signatures; the oldest goes first).
+_PLANS = 256
+
+#: Results at least this large come from the world's ResultPool (recycled, no fresh pages).
+_POOLED = ResultPool.MIN_BYTES
+
+# _fingerprint's stamp layout: a plan's call stamps ``plan.stamp_base | (seq & _SEQ_MASK)``.
+_SEQ_MASK = (1 << _fingerprint.SEQ_BITS) - 1
+
+
+class Issuer:
+    """Runs one group's calls (see the module docstring).
+
+    Args:
+        group: the group (its public attributes name it in mismatch words and verdicts).
+        comm: the group's communicator.
+        engine: the group's progress engine.
+        where: names this rank and group in messages (``"rank 0 in group 'world' (size 2)"``).
+        debug: check every call's full fingerprint first (``DETAIL``).
+        checks: the default mismatch checks are on (not ``OFF``).
+
+    Attributes:
+        engine: the progress engine.
+        book: the group's ledger.
+        plans: the plan of each call signature seen, by key (the collective's name first).
+        seq: the number of collectives issued so far.
+        debug: as given.
+        checks: as given.
+    """
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        comm: Communicator,
+        engine: ProgressEngine,
+        where: str,
+        debug: bool,
+        checks: bool,
+    ) -> None:
+        self._group = group
+        self._comm = comm
+        self.engine = engine
+        self._where = where
+        self.debug = debug
+        self.checks = checks
+        # Default checks (not DETAIL, not OFF): the communicator carries each call's stamp
+        # (its holder's ``stamp``) where it can; see _fingerprint and _call_checks.
+        checked = checks and not debug and comm.size > 1  # one rank agrees
+        holder = comm.stamp_holder() if checked else None
+        self._stamper: Any = holder
+        # Backends without stamps (mpi): the signatures checked once (_fingerprint.check_first);
+        # None: no such checks (stamps, DETAIL, OFF, or a group of one).
+        self._seen: set[int] | None = None
+        if checked and holder is None:
+            self._seen = set()
+        self.seq = 0
+        self.book = _ledger.Ledger(_ledger.ledger_length())
+        self._closed = False
+        # One lowering context per operation name, made on first use: the per-call path
+        # then does no string formatting and no allocation for it.
+        self._calls: dict[str, _lower.Call] = {}
+        # One plan per call signature (_lower.Plan), made on first use, dropped by close().
+        self.plans: dict[tuple[Any, ...], _lower.Plan] = {}
+
+    def relabel(self, where: str) -> None:
+        """Name this rank and group ``where`` in messages from now on."""
+        self._where = where
+        self._calls.clear()  # their messages were made with the old words
+
+    def close(self, reason: str, timeout: float) -> None:
+        """Refuse every call from now on (a plan's too: its claim fails, and its queued
+        route raises), let queued operations finish (up to ``timeout``), drop the plans."""
+        self._closed = True
+        self.engine.close(reason, timeout)
+        self.plans.clear()
+
+    # -- lowered calls -------------------------------------------------------------------
+    def enter(self, op: str) -> _lower.Call:
+        """Refuse a closed or failed group; return the call context for lowering ``op``."""
+        if self._closed or not self.engine.healthy:
+            if self._closed:
+                raise CommError(f"{op}: {self._where}: the group was closed")
+            self.engine.check(f"{op} on {self._where}")
+        call = self._calls.get(op)
+        if call is None:
+            engine = self.engine
+            where = f"{op}: {self._where}"
+            call = self._calls[op] = _lower.Call(self._comm, engine.pool, where, engine.results)
+        return call
+
+    def issue(
+        self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
+    ) -> Any:
+        """Run a lowered call in the group's order (after a fingerprint check in debug mode).
+
+        ``device``: the array module (cupy) the input came from; the result goes back to it.
+        """
+        body, fields = lowered
+        if device is not None:
+            on_host = body
+
+            def body() -> Any:
+                return _staging.to_device(device, on_host())
+
+        if fields is None:  # point to point: no sequence number, no fingerprint
+            return self.engine.submit(body, f"{op} on {self._where}", bool(async_op))
+        self.seq = seq = self.seq + 1
+        label = f"{op} (op #{seq}) on {self._where}"
+        group = self._group
+        if self.debug:
+            row = _fingerprint.encode(op, seq, on_device=device is not None, **fields)
+            comm, ranks, unchecked = self._comm, group.ranks, body
+
+            def body() -> Any:
+                _fingerprint.check(comm, row, ranks, label)
+                return unchecked()
+
+        recorder = _trace.active
+        if recorder is not None:
+            body = _call_checks.traced(recorder, body, group.name, op, seq, fields)
+        book = self.book
+        lowered_fields = fields
+        if device is not None:
+            fields = {**fields, "device": True}  # for the ledger
+        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
+        if self._stamper is not None:
+            sig = _fingerprint.signature_of(op, fields, device is not None)
+            stamp = _fingerprint.stamp(sig, seq)
+            body = _call_checks.stamped(body, self._stamper, stamp, self._words(op, seq, entry))
+        elif self._seen is not None:
+            sig = _fingerprint.signature_of(op, fields, device is not None)
+            if sig not in self._seen:
+                on_device = device is not None
+                row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
+                body = _call_checks.checked_first(
+                    group, self._comm, body, row, sig, self._seen, op, seq, label, entry
+                )
+        if entry is not None and async_op:
+            body = _call_checks.booked(entry, body)  # it ends on the engine's thread
+        try:
+            result = self.engine.submit(body, label, bool(async_op))
+        except BaseException as exc:
+            # In flight while judged: the others' verdicts find this rank in it meanwhile.
+            self._raise_judged(exc, op, seq, entry)
+        if not async_op:
+            book.end(entry, False)
+        elif isinstance(result, Work):
+            # Its own timeout, raised on the engine's thread, gets the verdict in wait().
+            result._judge = lambda exc: _call_checks.judged(group, exc, op, seq, entry)
+        return result
+
+    # -- planned calls -------------------------------------------------------------------
+    def plan(self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any) -> Any:
+        """The plan of a signature seen for the first time: ``make(call, *args)`` checks
+        everything (every error raised here, before any I/O); kept under ``key``, whose
+        first item is the collective's name."""
+        plan = make(self.enter(key[0]), *args)
+        plans = self.plans
+        if len(plans) >= _PLANS:
+            # Another thread may evict at the same time: then one plan fewer, no harm.
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del plans[next(iter(plans))]
+        with contextlib.suppress(TypeError):  # an unhashable argument the checks accept
+            plans[key] = plan
+        return plan
+
+    def run_plan(self, plan: _lower.Plan, run: Runner, x: np.ndarray) -> Any:
+        """Run ``plan`` on ``x`` (a C-contiguous numpy array in the plan's layout): a fresh
+        result filled by ``run(x, result)`` (``plan.run``).
+
+        The fast case runs it here, on the claimed engine, with only the ledger entry and
+        the stamp around it (computed inline: a function call is a tenth of what this
+        costs; at 8 bytes MPI takes about 1 us, and with more ranks than cores every layer
+        here costs several times its own time). A call that needs more (a ``DETAIL`` or
+        first-call check, a trace) or finds the engine taken (queued work, another thread,
+        a failed or closed group) hands the same runner to :meth:`issue`.
+        """
+        engine, dtype = self.engine, plan.dtype
+        if plan.nbytes < _POOLED:
+            out = np.empty(plan.shape, dtype)
+        else:
+            out = engine.results.take(dtype, plan.count).reshape(plan.shape)
+        seen = self._seen
+        if (
+            self.debug
+            or _trace.active is not None
+            or (seen is not None and plan.sig not in seen)
+            or not engine.claim()
+        ):
+
+            def body() -> np.ndarray:
+                run(x, out)
+                return out
+
+            return self.issue(plan.collective, (body, plan.fields), False)
+        self.seq = seq = self.seq + 1
+        name, book = plan.collective, self.book
+        entry = book.add(seq, name, dtype, plan.in_shape, plan.fields)
+        stamper = self._stamper
+        if stamper is not None:
+            stamper.stamp = plan.stamp_base | (seq & _SEQ_MASK)
+        try:
+            run(x, out)
+            book.end(entry, False)
+        except BaseException as exc:
+            label = f"{name} (op #{seq}) on {self._where}"
+            if isinstance(exc, MismatchError):
+                # In words, for this rank and (through the sticky failure) later calls.
+                worded = self._words(name, seq, entry)(exc)
+                engine.poison(worded, label)
+                book.end(entry, True)
+                raise worded from None
+            engine.poison(exc, label)
+            self._raise_judged(exc, name, seq, entry)
+        finally:
+            engine.release()
+        return out
+
+    # -- failures ------------------------------------------------------------------------
+    def _raise_judged(
+        self, exc: BaseException, op: str, seq: int, entry: _ledger.Entry | None
+    ) -> NoReturn:
+        """Raise ``exc`` of call ``seq``, a timeout with the hang verdict added."""
+        judged = exc
+        if isinstance(exc, CommTimeout):
+            judged = _call_checks.judged(self._group, exc, op, seq, entry)
+        self.book.end(entry, True)
+        if judged is exc:
+            raise exc
+        raise judged from exc
+
+    def _words(
+        self, op: str, seq: int, entry: _ledger.Entry | None
+    ) -> Callable[[MismatchError], MismatchError]:
+        """What puts a mismatch in call ``seq`` in words (:func:`_call_checks.mismatch_words`)."""
+        group, comm = self._group, self._comm
+
+        def words(exc: MismatchError) -> MismatchError:
+            return _call_checks.mismatch_words(group, comm, exc, op, seq, entry)
+
+        return words
