@@ -72,7 +72,7 @@ class ShmWatch:
         if self.names or now >= self._eager_until:
             self._next_scan = now + _SLOW_SCAN
 
-    def cleanup(self, wait: float = 2.0) -> list[str]:
+    def cleanup(self, wait: float = 10.0) -> list[str]:
         """Remove the noted files that the ended job left; return the paths removed.
 
         Waits up to ``wait`` seconds for the processes seen mapping them to be gone (the

@@ -900,7 +900,7 @@ group.all_reduce(np.ones(1))
 with open("/proc/self/maps") as maps:
     names = {line.split()[-1] for line in maps if "/dev/shm/mpich_shm_" in line}
 print("SHM", *sorted(n for n in names if n.startswith("/")), flush=True)
-time.sleep(1.0)  # a job that ran a while: the launcher has looked at it by now
+time.sleep(2.0)  # a job that ran a while: the launcher has looked at it by now (even under load)
 if group.rank == 1:
     raise RuntimeError("rank 1 refuses")
 group.barrier()
