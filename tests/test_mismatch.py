@@ -1,6 +1,6 @@
 """Default mismatch checks: ranks that call different collectives raise on every rank, at once.
 
-Real ranks over tcp (sockets, shared-memory rings, the board, the CMA direct path), worlds
+Real ranks over tcp (sockets, shared-memory rings, the board, the CMA collectives), worlds
 2 and 4: for each kind of mismatch (dtype, shape, reduce op, root, kind of collective) one
 rank calls something else than the others; every rank must raise
 :class:`~meshcomm.errors.MismatchError` within 3 s, with the same words naming both calls,
@@ -38,7 +38,7 @@ KINDS = {
 }
 SOCKETS = {"MESHCOMM_TRANSPORT": "tcp"}
 RINGS = {"MESHCOMM_SHM_BOARD_MAX": "0"}  # same host: rings (sub-groups never use the board)
-DIRECT = {"MESHCOMM_SHM_DIRECT_MIN": "1"}  # every size takes the CMA direct path
+DIRECT = {"MESHCOMM_SHM_DIRECT_MIN": "1"}  # every size takes the CMA collectives
 
 
 def _line(text: str) -> int:
@@ -70,11 +70,11 @@ def _each_kind(world: ProcessGroup, kinds: list[str]) -> dict[str, tuple[str, fl
     """For each kind, in a fresh group of every rank: one good call, then rank 1 calls the
     odd one. Returns, per kind, the error's type, seconds to raise, and its words."""
     out = {}
-    direct_path = []
+    cma_verdicts = []
     for kind in kinds:
         group = world.subgroup(list(world.ranks), f"k-{kind}")
         x = np.ones(4, np.float32)
-        group.all_reduce(x)  # a good call first: the direct path is learned, channels open
+        group.all_reduce(x)  # a good call first: the CMA route is learned, channels open
         group.broadcast(x, root=0)
         start = time.monotonic()
         try:
@@ -85,8 +85,8 @@ def _each_kind(world: ProcessGroup, kinds: list[str]) -> dict[str, tuple[str, fl
             out[kind] = (type(exc).__name__, time.monotonic() - start, str(exc))
         else:
             out[kind] = ("no error", time.monotonic() - start, "")
-        direct_path.append(getattr(group._comm, "_direct", None) and group._comm._direct._verdict)
-    out["direct"] = ("", 0.0, repr(direct_path))
+        cma_verdicts.append(getattr(group._comm, "_cma", None) and group._comm._cma._verdict)
+    out["cma"] = ("", 0.0, repr(cma_verdicts))
     return out
 
 
@@ -136,11 +136,11 @@ def test_every_kind_raises_on_every_rank(nprocs: int, env: dict[str, str]) -> No
 
 
 @pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_every_kind_raises_on_the_direct_path(nprocs: int) -> None:
+def test_every_kind_raises_on_the_cma_collectives(nprocs: int) -> None:
     kinds = list(KINDS)
     results = _run(nprocs, DIRECT, kinds)
-    if "True" not in results[0]["direct"][2]:
-        pytest.skip("process_vm_readv/writev refused here: no CMA direct path")
+    if "True" not in results[0]["cma"][2]:
+        pytest.skip("process_vm_readv/writev refused here: no CMA collectives")
     _check(results, kinds, "on group 'k-{kind}'")
 
 
@@ -177,7 +177,7 @@ def _on_world(world: ProcessGroup, kind: str) -> tuple[str, float, str, bool]:
 )
 def test_the_board_compares_stamps(nprocs: int, kind: str) -> None:
     """The board, a rank past it while the others use it (big), and frames read in place
-    (large: the ring algorithms, not the direct path)."""
+    (large: the ring algorithms, not the CMA collectives)."""
     env = {"MESHCOMM_TIMEOUT": "20", "MESHCOMM_SHM_DIRECT_MIN": "0"}
     results = run_ranks(_on_world, nprocs, env=env, args=(kind,))
     if not results[0][3]:

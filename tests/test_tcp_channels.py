@@ -163,9 +163,9 @@ def workout(comm: TcpCommunicator) -> dict[str, Any]:
 ALL_OK = {"pairs": True, "ring_small": True, "ring_large": True, "collectives": True}
 
 
-def direct_workout(comm: TcpCommunicator) -> dict[str, Any]:
+def cma_workout(comm: TcpCommunicator) -> dict[str, Any]:
     """Large collectives (several reduction pieces per block, counts the world size does not
-    divide): right results, and whether the direct same-host path was agreed on."""
+    divide): right results, and whether the CMA collectives were agreed on."""
     n, me = comm.size, comm.rank
     ok: dict[str, bool] = {}
     for dtype, count in ((np.float64, 1_000_003), (np.int32, 3_000_001)):
@@ -194,13 +194,13 @@ def direct_workout(comm: TcpCommunicator) -> dict[str, Any]:
             and np.array_equal(bcast, xs[root])
             and np.array_equal(mine, xs[me])  # inputs untouched
         )
-    return {"ok": ok, "direct": comm._direct._verdict}
+    return {"ok": ok, "cma": comm._cma._verdict}
 
 
-def test_direct_collectives_between_same_host_ranks() -> None:
-    results, token = run("direct_workout", [{}] * 3)
+def test_cma_collectives_between_same_host_ranks() -> None:
+    results, token = run("cma_workout", [{}] * 3)
     for result in results:
-        assert result == {"ok": {"float64": True, "int32": True}, "direct": True}, result
+        assert result == {"ok": {"float64": True, "int32": True}, "cma": True}, result
     assert leftovers(token) == []
 
 
@@ -208,20 +208,20 @@ def test_direct_collectives_between_same_host_ranks() -> None:
     ("envs", "verdicts"),
     [
         # One pair could, the others not. A group spanning hosts runs these sizes host-aware
-        # (past MESHCOMM_HIER_MIN), which never asks the direct path: no verdict at all.
+        # (past MESHCOMM_HIER_MIN), which never asks the CMA route: no verdict at all.
         ([{"MESHCOMM_HOST_KEY": h} for h in ("a", "a", "b")], {False, None}),
         ([{}, {}, {"MESHCOMM_SHM_CMA": "0"}], {False}),  # one rank cannot be read
     ],
     ids=["pretend-hosts", "one-rank-without-cma"],
 )
-def test_direct_path_is_agreed_by_every_rank_or_none(
+def test_cma_route_is_agreed_by_every_rank_or_none(
     envs: list[dict[str, str]], verdicts: set[bool | None]
 ) -> None:
-    results, _ = run("direct_workout", envs)
-    assert len({r["direct"] for r in results}) == 1, results
+    results, _ = run("cma_workout", envs)
+    assert len({r["cma"] for r in results}) == 1, results
     for result in results:
         assert result["ok"] == {"float64": True, "int32": True}, result
-        assert result["direct"] in verdicts, result
+        assert result["cma"] in verdicts, result
 
 
 def board_workout(comm: TcpCommunicator) -> dict[str, Any]:
@@ -239,7 +239,7 @@ def board_workout(comm: TcpCommunicator) -> dict[str, Any]:
         comm.all_reduce(buf, ReduceOp.SUM)
         good = out.tolist() == [n - 1 + step, 0] and x.tolist() == [me + step, -me]
         ok["small"] = ok.get("small", True) and good and buf.tolist() == [n * n / 2 + n] * 3
-    # The largest size below the direct path's threshold (whole slots), then past it.
+    # The largest size below the CMA collectives' threshold (whole slots), then past it.
     for count in (65_535, 65_536):
         wide = np.full(count, me + 1, np.float32)
         wide[-1] = -me

@@ -102,7 +102,7 @@ class TcpCommunicator(Communicator):
         self._store = store
         self.comm_id = comm_id
         self.link = TcpLink(transport, comm_id, self.global_ranks, rank)
-        self._direct = CmaCollectives(self.link)
+        self._cma = CmaCollectives(self.link)
         self._hosts = HostView(self.link)
         self._transport = transport
         self._owns = owns_transport
@@ -196,7 +196,7 @@ class TcpCommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------
     # Large collectives of a group that spans hosts run hierarchically (shared memory inside
     # each host, sockets across: meshcomm.backends.tcp.hosts); large collectives between
-    # ranks that can all read each other's memory take the direct path
+    # ranks that can all read each other's memory take the CMA collectives
     # (meshcomm.backends.tcp.cma_collectives); the rest run the algorithms over the link.
     def _layout(
         self, send: object, recv: object, nbytes: int, op: ReduceOp | None
@@ -216,15 +216,15 @@ class TcpCommunicator(Communicator):
         return self._hosts.layout(nbytes)
 
     def _on_board(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> bool:
-        """Whether this all_reduce takes the board: small, well formed, below the direct
-        path's size, and every member agreed once that it can (the same on every rank)."""
+        """Whether this all_reduce takes the board: small, well formed, below the CMA
+        collectives' size, and every member agreed once that it can (the same on every rank)."""
         if self._board is False:
             return False
         nbytes = recv.nbytes if isinstance(recv, np.ndarray) else 0
-        direct = self._direct.min_bytes
+        cma_min = self._cma.min_bytes
         if not (
             0 < nbytes <= self._board_max
-            and (direct < 0 or nbytes < direct)
+            and (cma_min < 0 or nbytes < cma_min)
             and flat_vector(recv, True)
             and flat_vector(send, False)
             and send.dtype == recv.dtype
@@ -288,7 +288,7 @@ class TcpCommunicator(Communicator):
             self._transport.board_all_reduce(buf, buf, op, self.link.stamp)
         elif (hosts := self._layout(buf, buf, _nbytes(buf), op)) is not None:
             hierarchical.all_reduce(self.link, buf, op, hosts)
-        elif not self._direct.all_reduce(buf, buf, op):
+        elif not self._cma.all_reduce(buf, buf, op):
             algorithms.all_reduce(self.link, buf, op)
 
     def all_reduce_out(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
@@ -302,21 +302,21 @@ class TcpCommunicator(Communicator):
             self._transport.board_all_reduce(send, recv, op, self.link.stamp)
         elif (hosts := self._layout(send, recv, _nbytes(recv), op)) is not None:
             hierarchical.all_reduce(self.link, recv, op, hosts, send=send)
-        elif not self._direct.all_reduce(send, recv, op):
+        elif not self._cma.all_reduce(send, recv, op):
             algorithms.all_reduce(self.link, recv, op, send=send)
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._check("all_gather")
         if (hosts := self._layout(send, recv, _nbytes(recv), None)) is not None:
             hierarchical.all_gather(self.link, send, recv, hosts)
-        elif not self._direct.all_gather(send, recv):
+        elif not self._cma.all_gather(send, recv):
             algorithms.all_gather(self.link, send, recv)
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
         self._check("reduce_scatter")
         if (hosts := self._layout(send, recv, _nbytes(send), op)) is not None:
             hierarchical.reduce_scatter(self.link, send, recv, op, hosts)
-        elif not self._direct.reduce_scatter(send, recv, op):
+        elif not self._cma.reduce_scatter(send, recv, op):
             algorithms.reduce_scatter(self.link, send, recv, op)
 
     def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> None:
@@ -331,7 +331,7 @@ class TcpCommunicator(Communicator):
             and (hosts := self._layout(buf, buf, _nbytes(buf), None)) is not None
         ):
             hierarchical.broadcast(self.link, buf, root, hosts)
-        elif not self._direct.broadcast(buf, root):
+        elif not self._cma.broadcast(buf, root):
             algorithms.broadcast(self.link, buf, root)
 
     def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
@@ -355,8 +355,8 @@ class TcpCommunicator(Communicator):
                 f"{getattr(recv, 'shape', '')}"
             )
         self._hello()
-        # Every rank makes the same choice: the direct path looks at the sizes and the
-        # communicator's verdict, never at whether this rank has a send buffer.
+        # Every rank makes the same choice: the hierarchical and CMA routes look at the sizes
+        # and the communicator's verdicts, never at whether this rank has a send buffer.
         if (
             _root_ok(root, self.size)
             and (hosts := self._layout(recv, recv, _nbytes(recv), None)) is not None
@@ -364,7 +364,7 @@ class TcpCommunicator(Communicator):
             if send is not None:
                 np.copyto(recv, send)
             hierarchical.broadcast(self.link, recv, root, hosts)
-        elif not self._direct.broadcast(recv, root, send=send):
+        elif not self._cma.broadcast(recv, root, send=send):
             if send is not None:
                 np.copyto(recv, send)
             algorithms.broadcast(self.link, recv, root)
