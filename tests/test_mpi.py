@@ -333,7 +333,7 @@ def plans() -> list[str]:
         runners = {getattr(p.run, "__qualname__", "") for p in planned}
         collectives = {p.collective for p in planned}
         everyone = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
-        if runners != {"MpiCommunicator._runner.<locals>.run"} or collectives != everyone:
+        if runners != {"MpiRunners._runner.<locals>.run"} or collectives != everyone:
             failures.append(f"rank {me}: plans' runners {runners} for {collectives}")
         group.close()
         try:

@@ -17,6 +17,9 @@ timeout (:mod:`meshcomm.backends.mpi._request`)::
                     MPI_Improbe (any source) + MPI_Imrecv, then MPI_Irecv of the payload
     sub             MPI_Comm_create_group (only the members call it)
 
+Synchronous group calls take runners built once per signature instead
+(:mod:`meshcomm.backends.mpi.runners`: the same MPI calls from the caller's arrays).
+
 Data that is only moved travels as ``MPI_BYTE``; reductions use MPI's datatypes and ops, or
 user-defined ops for bfloat16 (:mod:`meshcomm.backends.mpi._types`). Counts above 2**31 go
 through MPI-4's large-count functions, which mpi4py picks by itself.
@@ -47,11 +50,12 @@ from typing import Any
 import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES
-from meshcomm.backends.base import Communicator, Runner
+from meshcomm.backends.base import Communicator
 from meshcomm.backends.mpi import _device
 from meshcomm.backends.mpi._lib import comm_error, cuda_support, load, require_thread_level
 from meshcomm.backends.mpi._request import MpiRequest, Patience, default_patience, poll
 from meshcomm.backends.mpi._types import Reduction, reduction
+from meshcomm.backends.mpi.runners import MpiRunners, copy_while_sending
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument, ProtocolError, RendezvousError
 from meshcomm.reduction import ReduceOp
 
@@ -67,7 +71,6 @@ _SUB_TAG = 0x4D43
 _CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _FIXED = 4  # header words before the shape: magic, dtype code, tag, ndim
 _MAX_HEADER = _FIXED + 64  # numpy arrays have at most 64 axes
-_COPY_SLICE = 256 << 10  # bytes the broadcast root copies between MPI_Test calls
 _AT_START = Patience(0, True)  # before we know whether ranks share cores: nap, never hog
 
 
@@ -75,20 +78,7 @@ def _nbytes(buf: Any) -> list[Any]:
     return [buf, int(buf.nbytes), load().BYTE]
 
 
-def _copy_while_sending(request: Any, send: np.ndarray, recv: np.ndarray) -> None:
-    """Copy ``send`` into ``recv`` (C-contiguous, the same shape and dtype) in slices, testing the
-    broadcast ``request`` that sends ``send`` between them: the root's own copy overlaps the
-    transfer instead of preceding it."""
-    if send.nbytes <= _COPY_SLICE:
-        np.copyto(recv, send)
-        return
-    src, dst = send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8)
-    for start in range(0, src.size, _COPY_SLICE):
-        dst[start : start + _COPY_SLICE] = src[start : start + _COPY_SLICE]
-        request.Test()  # keeps MPI moving while the root copies
-
-
-class MpiCommunicator(Communicator):
+class MpiCommunicator(MpiRunners, Communicator):
     """A communicator over an MPI communicator (``MPI.COMM_WORLD`` for the world).
 
     Use :meth:`create_world` for the world, :meth:`sub` / :meth:`split` /
@@ -445,7 +435,7 @@ class MpiCommunicator(Communicator):
     def _start_broadcast_copying(self, send: np.ndarray, recv: np.ndarray, root: int) -> Started:
         root = self._peer(root, "broadcast root")
         request = self.mpi_comm.Ibcast(_nbytes(send), root)
-        _copy_while_sending(request, send, recv)
+        copy_while_sending(request, send, recv)
         return [request], None, (send,)
 
     def _start_reduce(self, buf: Any, root: int, op: ReduceOp) -> Started:
@@ -515,153 +505,9 @@ class MpiCommunicator(Communicator):
         """
         self._run("all_reduce", self._start_all_reduce_out, send, recv, op)
 
-    def all_reduce_runner(
-        self, dtype: np.dtype, op: ReduceOp
-    ) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Return ``run(send, recv)``: :meth:`all_reduce_out` for host arrays of ``dtype``.
-
-        The group layer's plans call it for every synchronous ``all_reduce`` of that
-        (dtype, op): the MPI datatype and op are looked up once, here, and ``send`` and
-        ``recv`` may have any shape (both C-contiguous numpy arrays, the same shape): MPI
-        reads the count from the buffers.
-
-        Example:
-            A sketch (needs an MPI world)::
-
-                run = comm.all_reduce_runner(np.dtype(np.float32), ReduceOp.SUM)
-                out = np.empty_like(x)
-                run(x, out)  # out == the sum of every rank's x
-        """
-        red = self._reductions.get((dtype, op)) or self._reduction(dtype, op)
-        datatype, mpi_op, start = red.datatype, red.op, self.mpi_comm.Iallreduce
-
-        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
-            # [buffer, datatype]: mpi4py derives the count, faster than parsing a given one.
-            return start([send, datatype], [recv, datatype], mpi_op)
-
-        return self._runner("all_reduce", begin)
-
-    def all_gather_runner(self) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Return ``run(send, recv)``: :meth:`all_gather` for C-contiguous host arrays of any
-        shape, ``recv`` holding ``size`` times ``send``'s bytes (rank-major)."""
-        byte, start = self._mpi.BYTE, self.mpi_comm.Iallgather
-
-        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
-            count = send.nbytes
-            return start([send, count, byte], [recv, count, byte])
-
-        return self._runner("all_gather", begin)
-
-    def all_to_all_runner(self) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Return ``run(send, recv)``: :meth:`all_to_all` for C-contiguous host arrays of any
-        shape, block ``j`` (``1/size`` of the bytes, rank-major) going to rank ``j``."""
-        byte, start, size = self._mpi.BYTE, self.mpi_comm.Ialltoall, self.size
-
-        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
-            count = send.nbytes // size
-            return start([send, count, byte], [recv, count, byte])
-
-        return self._runner("all_to_all", begin)
-
-    def reduce_scatter_runner(
-        self, dtype: np.dtype, op: ReduceOp
-    ) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Return ``run(send, recv)``: :meth:`reduce_scatter` for C-contiguous host arrays of
-        ``dtype``, of any shape, ``send`` holding ``size`` times ``recv``'s elements."""
-        red = self._reductions.get((dtype, op)) or self._reduction(dtype, op)
-        datatype, mpi_op, start = red.datatype, red.op, self.mpi_comm.Ireduce_scatter_block
-
-        def begin(send: np.ndarray, recv: np.ndarray) -> Any:
-            count = recv.size  # per block, as in MPI's call
-            return start([send, count, datatype], [recv, count, datatype], mpi_op)
-
-        return self._runner("reduce_scatter", begin)
-
-    def broadcast_runner(self, root: int) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Return ``run(send, recv)``: :meth:`broadcast_out` from group rank ``root`` for
-        C-contiguous host arrays of any shape, ``send`` and ``recv`` the same bytes.
-
-        On root, MPI sends from ``send`` while root copies it into ``recv``; elsewhere
-        ``recv`` receives and ``send`` is not read.
-
-        Raises:
-            InvalidArgument: ``root`` is not a rank of this communicator.
-
-        Example:
-            A sketch (needs an MPI world)::
-
-                run = comm.broadcast_runner(0)
-                out = np.empty_like(x)
-                run(x, out)  # out == rank 0's x, on every rank
-        """
-        root = self._peer(root, "broadcast root")
-        byte, start = self._mpi.BYTE, self.mpi_comm.Ibcast
-        begin: Callable[[np.ndarray, np.ndarray], Any]
-        if self.rank == root:
-
-            def begin(send: np.ndarray, recv: np.ndarray) -> Any:
-                request = start([send, send.nbytes, byte], root)
-                _copy_while_sending(request, send, recv)
-                return request
-
-        else:
-
-            def begin(send: np.ndarray, recv: np.ndarray) -> Any:
-                return start([recv, recv.nbytes, byte], root)
-
-        return self._runner("broadcast", begin)
-
-    def runner(self, collective: str, dtype: np.dtype, arg: ReduceOp | int | None) -> Runner:
-        """The runner of :meth:`all_reduce_runner`, :meth:`reduce_scatter_runner`,
-        :meth:`all_gather_runner`, :meth:`all_to_all_runner` or :meth:`broadcast_runner`
-        for ``collective`` (the :class:`~meshcomm.backends.base.Communicator` hook).
-
-        Raises:
-            InvalidArgument: an unknown collective, or ``arg`` wrong for it.
-        """
-        if collective in ("all_reduce", "reduce_scatter") and isinstance(arg, ReduceOp):
-            if collective == "all_reduce":
-                return self.all_reduce_runner(dtype, arg)
-            return self.reduce_scatter_runner(dtype, arg)
-        if collective == "all_gather" and arg is None:
-            return self.all_gather_runner()
-        if collective == "all_to_all" and arg is None:
-            return self.all_to_all_runner()
-        if collective == "broadcast" and isinstance(arg, int):
-            return self.broadcast_runner(arg)
-        raise InvalidArgument(f"{self._at('runner')}: no runner for {collective}({arg!r})")
-
     def grid_splitter(self) -> Callable[[Sequence[int]], Sequence[Communicator]]:
         """:meth:`cart_subs` (the :class:`~meshcomm.backends.base.Communicator` hook)."""
         return self.cart_subs
-
-    def _runner(
-        self, what: str, begin: Callable[[np.ndarray, np.ndarray], Any]
-    ) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Wrap ``begin(send, recv) -> MPI request`` into a runner that completes it (poll,
-        timeout, MPI errors as meshcomm errors; buffers kept alive if it never completes).
-        Like every primitive, it refuses to run once the communicator is closed."""
-        error_type = self._error_type
-
-        def late() -> str:
-            return self._late(what)
-
-        def run(send: np.ndarray, recv: np.ndarray) -> None:
-            if self._closed:  # MPI would run on a freed communicator
-                self._check(what)
-            request = None
-            try:
-                request = begin(send, recv)
-                if not request.Test():
-                    poll(request.Test, self.timeout, self._patience, late)
-            except CommTimeout:
-                self._pending.append(([request], (send, recv)))
-                raise
-            except error_type as exc:
-                self._pending.append(([request], (send, recv)))
-                raise comm_error(exc, self._at(what)) from exc
-
-        return run
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._run("all_gather", self._start_all_gather, send, recv)
