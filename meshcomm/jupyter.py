@@ -341,10 +341,10 @@ def _check_mesh(
                 f"mesh_dim_names={mesh_dim_names!r} was given without mesh_shape; pass both"
             )
         return None, None
-    from meshcomm.mesh import _check_names, _check_shape, _infer_shape
+    from meshcomm.mesh import check_mesh_names, check_mesh_shape, infer_mesh_shape
 
-    shape = _infer_shape(_check_shape(mesh_shape), n)
-    names = None if mesh_dim_names is None else _check_names(mesh_dim_names, len(shape))
+    shape = infer_mesh_shape(check_mesh_shape(mesh_shape), n)
+    names = None if mesh_dim_names is None else check_mesh_names(mesh_dim_names, len(shape))
     return shape, names
 
 

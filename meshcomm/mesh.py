@@ -101,7 +101,15 @@ def _check_grid(mesh: Any) -> np.ndarray:
     return grid
 
 
-def _check_names(names: Any, ndim: int) -> tuple[str, ...]:
+def check_mesh_names(names: Any, ndim: int) -> tuple[str, ...]:
+    """``mesh_dim_names`` checked against ``ndim`` axes (None: ``dim0``, ``dim1``, ...).
+
+    Shared with :mod:`meshcomm.jupyter`, which checks a mesh before starting engines.
+
+    Example:
+        >>> check_mesh_names(None, 2), check_mesh_names("tp", 1)
+        (('dim0', 'dim1'), ('tp',))
+    """
     if names is None:
         return tuple(f"dim{i}" for i in range(ndim))
     given = (names,) if isinstance(names, str) else names
@@ -172,7 +180,7 @@ class DeviceMesh:
     ) -> None:
         grid = _check_grid(mesh)
         self._grid = grid
-        self._names = _check_names(mesh_dim_names, grid.ndim)
+        self._names = check_mesh_names(mesh_dim_names, grid.ndim)
         self._root = MeshGroups(grid, group)
         self._dims = tuple((d,) for d in range(grid.ndim))
 
@@ -563,7 +571,13 @@ class DeviceMesh:
         return render_html(self, self._rank_to_show(None))
 
 
-def _check_shape(mesh_shape: Any) -> tuple[int, ...]:
+def check_mesh_shape(mesh_shape: Any) -> tuple[int, ...]:
+    """``mesh_shape`` as a tuple of ints >= 1 (at most one -1, inferred later).
+
+    Example:
+        >>> check_mesh_shape(4), check_mesh_shape((2, -1))
+        ((4,), (2, -1))
+    """
     given = (mesh_shape,) if isinstance(mesh_shape, int) else mesh_shape
     try:
         dims = tuple(given)
@@ -585,7 +599,13 @@ def _check_shape(mesh_shape: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _infer_shape(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+def infer_mesh_shape(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    """``shape`` with its -1 filled in so that it covers ``world_size`` ranks exactly.
+
+    Example:
+        >>> infer_mesh_shape((-1, 4), 8)
+        (2, 4)
+    """
     known = math.prod(d for d in shape if d != -1)
     if -1 in shape:
         if world_size % known:
@@ -646,8 +666,8 @@ def init_device_mesh(
     """
     from meshcomm import world
 
-    shape = _check_shape(mesh_shape)
-    _check_names(mesh_dim_names, len(shape))  # before joining the world: fail fast
+    shape = check_mesh_shape(mesh_shape)
+    check_mesh_names(mesh_dim_names, len(shape))  # before joining the world: fail fast
     order = gpu_order_arg(gpu_order)
     if world.is_initialized():
         group = world.get_world()
@@ -659,7 +679,7 @@ def init_device_mesh(
             )
     else:
         group = world.init(backend=backend, timeout=timeout)
-    full = _infer_shape(shape, group.size)
+    full = infer_mesh_shape(shape, group.size)
     ranks = mesh_ranks(group, full[-1]) if order == "topology" else group.ranks
     grid = np.array(ranks, dtype=np.int64).reshape(full)
     mesh = DeviceMesh(grid, mesh_dim_names, group=group)

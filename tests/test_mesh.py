@@ -14,7 +14,7 @@ import pytest
 
 from meshcomm import world
 from meshcomm.errors import InvalidArgument, RendezvousError
-from meshcomm.mesh import DeviceMesh, _infer_shape, current_mesh, init_device_mesh
+from meshcomm.mesh import DeviceMesh, current_mesh, infer_mesh_shape, init_device_mesh
 
 
 def _tcp_available() -> bool:
@@ -228,12 +228,12 @@ def test_init_device_mesh_rejects_bad_names_before_joining() -> None:
 
 
 def test_shape_inference_and_the_world_size_check() -> None:
-    assert _infer_shape((-1, 4), 8) == (2, 4)
-    assert _infer_shape((2, -1, 2), 8) == (2, 2, 2)
+    assert infer_mesh_shape((-1, 4), 8) == (2, 4)
+    assert infer_mesh_shape((2, -1, 2), 8) == (2, 2, 2)
     with pytest.raises(InvalidArgument, match=r"\(2, 4\) has 8 ranks but the world has 4"):
-        _infer_shape((2, 4), 4)
+        infer_mesh_shape((2, 4), 4)
     with pytest.raises(InvalidArgument, match="6 is not divisible by 4"):
-        _infer_shape((-1, 4), 6)
+        infer_mesh_shape((-1, 4), 6)
 
 
 # -- a world of one, in this process -------------------------------------------------------

@@ -24,19 +24,19 @@ import time
 from datetime import timedelta
 
 from meshcomm.backends.tcp.shm_platform import (
-    _BELL_SIZE,
-    _SEQ_CST,
+    BELL_SIZE,
+    SEQ_CST,
+    Platform,
     Seconds,
     SharedMapping,
-    _check_rank,
-    _create_segment,
-    _job_token,
-    _Platform,
-    _require_platform,
-    _seg_name,
-    _start_time,
-    _Timespec,
-    _unlink,
+    Timespec,
+    check_rank,
+    create_segment,
+    job_token,
+    process_start_time,
+    require_platform,
+    segment_name,
+    unlink_segment,
 )
 from meshcomm.errors import CommError, InvalidArgument
 
@@ -54,10 +54,10 @@ __all__ = [
 #: Microseconds a waiter spins before sleeping, when it has a core to itself.
 DEFAULT_SPIN_US = 50.0
 
-_MAGIC_BELL = int.from_bytes(b"MCSHMBEL", "little")
+MAGIC_BELL = int.from_bytes(b"MCSHMBEL", "little")
 # The u32 futex word is at offset 0; u64 words 1.. describe the owner; word 8 is the owner's
 # "may be asleep" flag (set by arm, cleared when a wait returns).
-_B_MAGIC, _B_RANK, _B_PID, _B_NONCE, _B_SLEEPY = 1, 2, 3, 4, 8
+B_MAGIC, B_RANK, _B_PID, B_NONCE, _B_SLEEPY = 1, 2, 3, 4, 8
 #: The owner's board (:mod:`~meshcomm.backends.tcp.board`): its sequence word (u64 index, on a
 #: cache line of its own), and two slots of ``BOARD_BYTES`` from byte ``BOARD_OFFSET``.
 BOARD_SEQ_WORD = 16
@@ -65,7 +65,7 @@ BOARD_SEQ_WORD = 16
 #: cache line): 0, or 1 + the call's stamp (:mod:`meshcomm._fingerprint`).
 BOARD_STAMP_WORD = 17
 BOARD_OFFSET = 4096
-BOARD_BYTES = (_BELL_SIZE - BOARD_OFFSET) // 2
+BOARD_BYTES = (BELL_SIZE - BOARD_OFFSET) // 2
 _FUTEX_WAIT = 0
 _FUTEX_WAKE_OP = 5
 # FUTEX_OP(FUTEX_OP_ADD, 1, FUTEX_OP_CMP_EQ, 0): *word += 1 atomically, then wake.
@@ -76,7 +76,7 @@ _WAKE_ALL = 0x7FFFFFFF
 class Bell:
     """A mapped doorbell word (our own or a peer's)."""
 
-    def __init__(self, mapping: SharedMapping, plat: _Platform, rank: int) -> None:
+    def __init__(self, mapping: SharedMapping, plat: Platform, rank: int) -> None:
         self.mapping = mapping
         self.rank = rank
         self._syscall = plat.syscall
@@ -98,7 +98,7 @@ class Bell:
 
     def fence(self) -> None:
         if self._fence is not None:
-            self._fence(_SEQ_CST)
+            self._fence(SEQ_CST)
 
     def armed(self) -> bool:
         """The owner's may-be-asleep flag (meaningful after a fence)."""
@@ -115,7 +115,7 @@ class Bell:
     def futex_wait(self, expected: int, seconds: float) -> int:
         """Sleep while the word equals ``expected``; return 0 or the errno."""
         whole = int(seconds)
-        ts = _Timespec(whole, int((seconds - whole) * 1e9))
+        ts = Timespec(whole, int((seconds - whole) * 1e9))
         rc = self._syscall(
             self._nr,
             self._addr,
@@ -208,8 +208,8 @@ class Doorbell:
         expected_peers: int | None = None,
         spin_us: float | None = None,
     ) -> None:
-        self.job = _job_token(job)
-        self.rank = _check_rank(rank, "rank")
+        self.job = job_token(job)
+        self.rank = check_rank(rank, "rank")
         if local_size is not None and (not isinstance(local_size, int) or local_size < 1):
             raise InvalidArgument(f"local_size must be a positive int, got {local_size!r}")
         if expected_peers is not None and (
@@ -221,17 +221,17 @@ class Doorbell:
         if spin_us is not None and not 0 <= spin_us <= 1e6:
             raise InvalidArgument(f"spin_us must be in [0, 1e6], got {spin_us!r}")
         self._spin = (_default_spin(local_size) if spin_us is None else spin_us) * 1e-6
-        self._plat = _require_platform()
+        self._plat = require_platform()
         self.pid = os.getpid()
-        self.start_time = _start_time(self.pid)
+        self.start_time = process_start_time(self.pid)
         self.nonce = secrets.randbits(64)
-        self.name = _seg_name(self.job, "bell", self.rank, None, self.pid, self.nonce)
-        mapping = _create_segment(self.name, _BELL_SIZE, self._plat, keep_fd=True)
+        self.name = segment_name(self.job, "bell", self.rank, None, self.pid, self.nonce)
+        mapping = create_segment(self.name, BELL_SIZE, self._plat, keep_fd=True)
         for index, value in (
-            (_B_MAGIC, _MAGIC_BELL),
-            (_B_RANK, self.rank),
+            (B_MAGIC, MAGIC_BELL),
+            (B_RANK, self.rank),
             (_B_PID, self.pid),
-            (_B_NONCE, self.nonce),
+            (B_NONCE, self.nonce),
         ):
             mapping.store(index, value)
         self._own = Bell(mapping, self._plat, self.rank)
@@ -352,7 +352,7 @@ class Doorbell:
         """Unlink the doorbell's name: no further peer can pair with this process."""
         if self._linked:
             self._linked = False
-            _unlink(self.name)
+            unlink_segment(self.name)
 
     def close(self) -> None:
         """Unlink the name and unmap this doorbell and every peer's. Idempotent."""

@@ -14,17 +14,17 @@ import numpy as np
 
 from meshcomm.backends.tcp.doorbell import Bell, Doorbell
 from meshcomm.backends.tcp.shm_platform import (
-    _HEADER,
-    _SEQ_CST,
-    _W_HEAD,
-    _W_RECEIVER_CLOSED,
-    _W_RX_BLOCKED,
-    _W_SENDER_CLOSED,
-    _W_TAIL,
-    _W_TX_BLOCKED,
+    RING_HEADER,
+    SEQ_CST,
+    W_HEAD,
+    W_RECEIVER_CLOSED,
+    W_RX_BLOCKED,
+    W_SENDER_CLOSED,
+    W_TAIL,
+    W_TX_BLOCKED,
     BytesLike,
     SharedMapping,
-    _process_alive,
+    process_alive,
 )
 from meshcomm.errors import CommError, InvalidArgument, PeerError, ProtocolError
 
@@ -81,7 +81,7 @@ class ShmChannel:
         capacity: int,
     ) -> None:
         self._map = mapping
-        self._ring = mapping.data(_HEADER, capacity)
+        self._ring = mapping.data(RING_HEADER, capacity)
         self.is_sender = is_sender
         self.rank = rank
         self.peer = peer
@@ -92,11 +92,11 @@ class ShmChannel:
         self._fence = mapping.fence
         # Each side writes its own counter and "blocked" word, and caches them.
         if is_sender:
-            self._mine_word, self._theirs_word = _W_HEAD, _W_TAIL
-            self._blocked_word, self._peer_blocked_word = _W_TX_BLOCKED, _W_RX_BLOCKED
+            self._mine_word, self._theirs_word = W_HEAD, W_TAIL
+            self._blocked_word, self._peer_blocked_word = W_TX_BLOCKED, W_RX_BLOCKED
         else:
-            self._mine_word, self._theirs_word = _W_TAIL, _W_HEAD
-            self._blocked_word, self._peer_blocked_word = _W_RX_BLOCKED, _W_TX_BLOCKED
+            self._mine_word, self._theirs_word = W_TAIL, W_HEAD
+            self._blocked_word, self._peer_blocked_word = W_RX_BLOCKED, W_TX_BLOCKED
         self._load = mapping.load
         self._store = mapping.store
         self._mine = mapping.load(self._mine_word)
@@ -138,7 +138,7 @@ class ShmChannel:
         """
         self._check(True, "send_some")
         view = _byte_view(data, writable=False, what="send_some data")
-        if self._map.load(_W_RECEIVER_CLOSED):
+        if self._map.load(W_RECEIVER_CLOSED):
             raise PeerError(
                 f"rank {self.rank}: rank {self.peer} closed its shared-memory channel",
                 rank=self.peer,
@@ -219,7 +219,7 @@ class ShmChannel:
                 break
             self._blocked = mark
             self._store(self._blocked_word, mark)
-            fence(_SEQ_CST)
+            fence(SEQ_CST)
         if done and notify:
             self._notify()
         return done
@@ -230,7 +230,7 @@ class ShmChannel:
         if fence is None:
             self._peer_bell.ring()
             return
-        fence(_SEQ_CST)  # our counter store before the loads that decide to ring
+        fence(SEQ_CST)  # our counter store before the loads that decide to ring
         load = self._load
         if load(self._peer_blocked_word) == load(self._theirs_word) + 1:
             bell = self._peer_bell
@@ -244,7 +244,7 @@ class ShmChannel:
         does not count as coming up short: before waiting, call :meth:`pull`.
         """
         mine = self._mine
-        head = self._seen = self._load(_W_HEAD)
+        head = self._seen = self._load(W_HEAD)
         avail = head - mine
         if not 0 <= avail <= self.capacity:
             raise ProtocolError(
@@ -263,7 +263,7 @@ class ShmChannel:
     def consume(self, nbytes: int) -> None:
         """Receiving end: mark ``nbytes`` (at most what :meth:`peek` said) as read."""
         self._mine += nbytes
-        self._store(_W_TAIL, self._mine)
+        self._store(W_TAIL, self._mine)
         self._notify()
 
     @property
@@ -275,7 +275,7 @@ class ShmChannel:
         """Bytes written and not yet read."""
         if self.closed:
             return 0
-        return self._used(self._map.load(_W_HEAD), self._map.load(_W_TAIL))
+        return self._used(self._map.load(W_HEAD), self._map.load(W_TAIL))
 
     def writable_bytes(self) -> int:
         """Free bytes in the ring."""
@@ -285,18 +285,18 @@ class ShmChannel:
         """True once the other end called :meth:`close` (a receiver still drains what is left)."""
         if self.closed:
             return True
-        return bool(self._map.load(_W_RECEIVER_CLOSED if self.is_sender else _W_SENDER_CLOSED))
+        return bool(self._map.load(W_RECEIVER_CLOSED if self.is_sender else W_SENDER_CLOSED))
 
     def peer_alive(self) -> bool:
         """True while the peer's process exists (a zombie or a reused pid counts as dead)."""
-        return _process_alive(self.peer_pid, self._peer_start)
+        return process_alive(self.peer_pid, self._peer_start)
 
     def close(self) -> None:
         """Mark this end closed, ring the peer so it notices, and unmap. Idempotent."""
         if self.closed:
             return
         self.closed = True
-        self._map.store(_W_SENDER_CLOSED if self.is_sender else _W_RECEIVER_CLOSED, 1)
+        self._map.store(W_SENDER_CLOSED if self.is_sender else W_RECEIVER_CLOSED, 1)
         with contextlib.suppress(CommError):
             self._peer_bell.ring()
         self._ring.release()

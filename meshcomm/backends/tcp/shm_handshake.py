@@ -14,27 +14,27 @@ import secrets
 from typing import Any
 
 from meshcomm.backends.tcp import cma, shm_budget
-from meshcomm.backends.tcp.doorbell import _B_MAGIC, _B_NONCE, _B_RANK, _MAGIC_BELL, Bell, Doorbell
+from meshcomm.backends.tcp.doorbell import B_MAGIC, B_NONCE, B_RANK, MAGIC_BELL, Bell, Doorbell
 from meshcomm.backends.tcp.shm_channel import ShmChannel, ShmPair
 from meshcomm.backends.tcp.shm_platform import (
-    _BELL_SIZE,
-    _HEADER,
-    _NAME_RE,
-    _W_CAPACITY,
-    _W_MAGIC,
-    _W_NONCE,
-    _W_RECEIVER,
-    _W_SENDER,
-    _W_VERSION,
+    BELL_SIZE,
     MAX_CAPACITY,
+    RING_HEADER,
+    SEGMENT_NAME_RE,
+    W_CAPACITY,
+    W_MAGIC,
+    W_NONCE,
+    W_RECEIVER,
+    W_SENDER,
+    W_VERSION,
     SharedMapping,
-    _check_rank,
-    _create_segment,
-    _open_segment,
-    _seg_name,
-    _unlink,
+    check_rank,
+    create_segment,
     default_capacity,
     host_key,
+    open_segment,
+    segment_name,
+    unlink_segment,
 )
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
 
@@ -132,7 +132,7 @@ class ShmHandshake:
 
     def __init__(self, doorbell: Doorbell, peer: int, *, capacity: int | None = None) -> None:
         self.rank = doorbell.rank
-        self.peer = _check_rank(peer, "peer")
+        self.peer = check_rank(peer, "peer")
         if peer == self.rank:
             raise InvalidArgument(f"rank {self.rank}: cannot pair with itself")
         if doorbell.closed:
@@ -147,8 +147,8 @@ class ShmHandshake:
         # The peer proves it can read our memory by reading this word (see cma).
         self._probe = ctypes.c_uint64(self._nonce)
         self._cma = False
-        self._name = _seg_name(doorbell.job, "ring", self.rank, peer, doorbell.pid, self._nonce)
-        size = _HEADER + cap
+        self._name = segment_name(doorbell.job, "ring", self.rank, peer, doorbell.pid, self._nonce)
+        size = RING_HEADER + cap
         if not shm_budget.rings.reserve(size):
             budget = shm_budget.rings
             raise CommError(
@@ -158,19 +158,19 @@ class ShmHandshake:
                 "close groups no longer needed"
             )
         try:
-            self._rx: SharedMapping | None = _create_segment(self._name, size, self._plat)
+            self._rx: SharedMapping | None = create_segment(self._name, size, self._plat)
         except BaseException:
             shm_budget.rings.release(size)
             raise
         # The ring's bytes go back to the budget when its mapping closes, whoever holds it.
         self._rx.on_close = functools.partial(shm_budget.rings.release, size)
         for index, value in (
-            (_W_MAGIC, _MAGIC_RING),
-            (_W_VERSION, _VERSION),
-            (_W_CAPACITY, cap),
-            (_W_RECEIVER, self.rank),
-            (_W_SENDER, peer),
-            (_W_NONCE, self._nonce),
+            (W_MAGIC, _MAGIC_RING),
+            (W_VERSION, _VERSION),
+            (W_CAPACITY, cap),
+            (W_RECEIVER, self.rank),
+            (W_SENDER, peer),
+            (W_NONCE, self._nonce),
         ):
             self._rx.store(index, value)
         self._tx: SharedMapping | None = None
@@ -226,7 +226,7 @@ class ShmHandshake:
                 f"rank {me}: rank {self.peer} is on another host or container "
                 f"(host key {obj['host']!r}, ours {host_key()!r})"
             )
-        ring, bell = _NAME_RE.fullmatch(obj["ring"]), _NAME_RE.fullmatch(obj["bell"])
+        ring, bell = SEGMENT_NAME_RE.fullmatch(obj["ring"]), SEGMENT_NAME_RE.fullmatch(obj["bell"])
         ring_ok = ring is not None and ring.group("kind", "job", "rank", "peer") == (
             "ring",
             job,
@@ -243,7 +243,7 @@ class ShmHandshake:
                 f"rank {me}: shared-memory offer from rank {self.peer} names "
                 f"{obj['ring']!r} and {obj['bell']!r} with capacity {obj['cap']}"
             )
-        tx = _open_segment(obj["ring"], _HEADER + obj["cap"], self._plat, unlink=True)
+        tx = open_segment(obj["ring"], RING_HEADER + obj["cap"], self._plat, unlink=True)
         try:
             header = [tx.load(i) for i in range(6)]
             want = [_MAGIC_RING, _VERSION, obj["cap"], self.peer, me, obj["ring_nonce"]]
@@ -264,18 +264,18 @@ class ShmHandshake:
 
     def _open_bell(self, obj: dict[str, Any]) -> SharedMapping:
         """Map the peer's doorbell: through ``/proc/<pid>/fd/<n>`` if we may, else by name."""
-        want = [_MAGIC_BELL, self.peer, obj["bell_nonce"]]
+        want = [MAGIC_BELL, self.peer, obj["bell_nonce"]]
         try:
             path = f"/proc/{obj['pid']}/fd/{obj['bell_fd']}"
-            mapping = _open_segment(path, _BELL_SIZE, self._plat, unlink=False)
-            if [mapping.load(i) for i in (_B_MAGIC, _B_RANK, _B_NONCE)] == want:
+            mapping = open_segment(path, BELL_SIZE, self._plat, unlink=False)
+            if [mapping.load(i) for i in (B_MAGIC, B_RANK, B_NONCE)] == want:
                 self._via_proc = True
                 return mapping
             mapping.close()
         except CommError:
             pass  # another process's descriptors are off limits here: use the name
-        mapping = _open_segment(obj["bell"], _BELL_SIZE, self._plat, unlink=False)
-        got = [mapping.load(i) for i in (_B_MAGIC, _B_RANK, _B_NONCE)]
+        mapping = open_segment(obj["bell"], BELL_SIZE, self._plat, unlink=False)
+        got = [mapping.load(i) for i in (B_MAGIC, B_RANK, B_NONCE)]
         if got != want:
             mapping.close()
             raise ProtocolError(
@@ -363,7 +363,7 @@ class ShmHandshake:
 
     def _end(self) -> None:
         """Unlink our ring's name; count this handshake toward the doorbell's expected peers."""
-        _unlink(self._name)
+        unlink_segment(self._name)
         if not self._done:
             self._done = True
             self._bell._handshake_done()

@@ -32,6 +32,9 @@ import numpy as np
 
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
 
+# __all__ is what the rest of meshcomm uses. The ring layout (W_*, RING_HEADER, BELL_SIZE),
+# Platform / require_platform and the segment helpers are the shared parts of the same-host
+# channel's own modules (doorbell, shm_channel, shm_handshake), public to them, not beyond.
 __all__ = [
     "DEFAULT_CAPACITY",
     "MAX_CAPACITY",
@@ -51,24 +54,24 @@ MAX_CAPACITY = 1 << 36
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "mcshm"
-_HEADER = 4096
+RING_HEADER = 4096
 # A doorbell page, then its board (meshcomm.backends.tcp.board): two slots of 256 KiB.
-_BELL_SIZE = 4096 + 2 * 262144
+BELL_SIZE = 4096 + 2 * 262144
 
 # Ring header word indices (u64). Counters sit on their own 64-byte cache lines.
-_W_MAGIC, _W_VERSION, _W_CAPACITY, _W_RECEIVER, _W_SENDER, _W_NONCE = 0, 1, 2, 3, 4, 5
+W_MAGIC, W_VERSION, W_CAPACITY, W_RECEIVER, W_SENDER, W_NONCE = 0, 1, 2, 3, 4, 5
 # Sender-owned words share one cache line, receiver-owned words the next. A "blocked" word
 # holds 1 + the position at which its owner last came up short (0: never).
-_W_HEAD, _W_SENDER_CLOSED, _W_TX_BLOCKED = 8, 9, 10
-_W_TAIL, _W_RECEIVER_CLOSED, _W_RX_BLOCKED = 16, 17, 18
+W_HEAD, W_SENDER_CLOSED, W_TX_BLOCKED = 8, 9, 10
+W_TAIL, W_RECEIVER_CLOSED, W_RX_BLOCKED = 16, 17, 18
 
 # linux/futex.h; stable kernel ABI. Shared (not _PRIVATE) ops: the word is in a shared mapping.
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 _TSO_MACHINES = ("x86_64", "amd64")
-_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __ATOMIC_SEQ_CST
+_ACQUIRE, _RELEASE, SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __ATOMIC_SEQ_CST
 
 _JOB_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NAME_RE = re.compile(
+SEGMENT_NAME_RE = re.compile(
     r"mcshm\.(?P<job>[A-Za-z0-9_-]{1,64})\.(?P<kind>ring|bell)\.(?P<rank>\d{1,9})\."
     r"(?P<peer>\d{1,9}|x)\.(?P<pid>\d{1,10})\.(?P<nonce>[0-9a-f]{16})"
 )
@@ -80,7 +83,7 @@ Seconds = float | int | timedelta
 # -- platform ------------------------------------------------------------------------------
 
 
-class _Timespec(ctypes.Structure):
+class Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
@@ -110,7 +113,7 @@ class _LibAtomic:
 
 
 @dataclass(frozen=True)
-class _Platform:
+class Platform:
     syscall: Any  # libc's syscall(2)
     sys_futex: int
     atomics: _LibAtomic | None  # None: plain loads and stores suffice (x86-64 TSO)
@@ -118,7 +121,7 @@ class _Platform:
 
 
 @functools.lru_cache(maxsize=1)
-def _platform() -> _Platform | str:
+def _platform() -> Platform | str:
     """Resolve what the fast path needs once; a string says why it is unsupported."""
     if not sys.platform.startswith("linux"):
         return f"shared-memory transport needs Linux, this is {sys.platform}"
@@ -141,7 +144,7 @@ def _platform() -> _Platform | str:
         except (OSError, AttributeError) as exc:
             return f"{machine} needs libatomic.so.1 for ordered loads and stores: {exc}"
     fence = None if mode == "nofence" else _libatomic_fence()
-    return _Platform(syscall, _SYS_FUTEX[machine], atomics, fence)
+    return Platform(syscall, _SYS_FUTEX[machine], atomics, fence)
 
 
 def shm_supported() -> bool:
@@ -157,7 +160,7 @@ def shm_supported() -> bool:
     return not isinstance(_platform(), str)
 
 
-def _require_platform() -> _Platform:
+def require_platform() -> Platform:
     plat = _platform()
     if isinstance(plat, str):
         raise CommError(plat)
@@ -252,7 +255,7 @@ def _machine_key() -> str:
 # -- processes and names -------------------------------------------------------------------
 
 
-def _start_time(pid: int) -> int | None:
+def process_start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (tells a reused pid apart)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -262,7 +265,7 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _process_alive(pid: int, start: int | None) -> bool:
+def process_alive(pid: int, start: int | None) -> bool:
     """True while ``pid`` runs and is the process that started at ``start`` (if known)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -286,7 +289,7 @@ def _process_alive(pid: int, start: int | None) -> bool:
         return True
 
 
-def _job_token(job: str | bytes) -> str:
+def job_token(job: str | bytes) -> str:
     if isinstance(job, (bytes, bytearray)):
         if not job:
             raise InvalidArgument("job token must not be empty")
@@ -298,17 +301,17 @@ def _job_token(job: str | bytes) -> str:
     return job
 
 
-def _check_rank(value: object, what: str) -> int:
+def check_rank(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 10**9:
         raise InvalidArgument(f"{what} must be an int in [0, 10**9), got {value!r}")
     return value
 
 
-def _seg_name(job: str, kind: str, rank: int, peer: int | None, pid: int, nonce: int) -> str:
+def segment_name(job: str, kind: str, rank: int, peer: int | None, pid: int, nonce: int) -> str:
     return f"{_PREFIX}.{job}.{kind}.{rank}.{'x' if peer is None else peer}.{pid}.{nonce:016x}"
 
 
-def _unlink(name: str) -> None:
+def unlink_segment(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, name))
 
@@ -329,17 +332,17 @@ def sweep(job: str | bytes | None = None) -> list[str]:
         >>> sweep("no-such-job")
         []
     """
-    token = None if job is None else _job_token(job)
+    token = None if job is None else job_token(job)
     removed: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in entries:
-        match = _NAME_RE.fullmatch(name)
+        match = SEGMENT_NAME_RE.fullmatch(name)
         if match is None or (token is not None and match["job"] != token):
             continue
-        if _process_alive(int(match["pid"]), None):
+        if process_alive(int(match["pid"]), None):
             continue
         try:
             if os.stat(os.path.join(SHM_DIR, name)).st_uid != os.geteuid():
@@ -357,7 +360,7 @@ def sweep(job: str | bytes | None = None) -> list[str]:
 class SharedMapping:
     """One shared file mapped read-write, with ordered access to its header words."""
 
-    def __init__(self, fd: int, size: int, plat: _Platform) -> None:
+    def __init__(self, fd: int, size: int, plat: Platform) -> None:
         self.mm = mmap.mmap(fd, size)
         self.size = size
         #: Called once when the mapping closes (a ring gives its bytes back to the budget).
@@ -366,7 +369,7 @@ class SharedMapping:
         self._anchor: ctypes.c_uint64 | None = ctypes.c_uint64.from_buffer(self.mm)
         self.addr = ctypes.addressof(self._anchor)
         self._view = memoryview(self.mm)
-        self._q = self._view[:_HEADER].cast("Q")
+        self._q = self._view[:RING_HEADER].cast("Q")
         self._u32 = self._view[:8].cast("I")
         self._atomics = plat.atomics
         self.fence = plat.fence
@@ -419,9 +422,7 @@ class SharedMapping:
             self.mm.close()
 
 
-def _create_segment(
-    name: str, size: int, plat: _Platform, *, keep_fd: bool = False
-) -> SharedMapping:
+def create_segment(name: str, size: int, plat: Platform, *, keep_fd: bool = False) -> SharedMapping:
     """Create, reserve and map ``name``; with ``keep_fd`` its descriptor stays open as ``fd``."""
     path = os.path.join(SHM_DIR, name)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -435,14 +436,14 @@ def _create_segment(
         mapping = SharedMapping(fd, size, plat)
     except OSError as exc:
         os.close(fd)
-        _unlink(name)
+        unlink_segment(name)
         raise CommError(
             f"cannot reserve {size} bytes of shared memory in {SHM_DIR} for {name}: {exc}; "
             f"set MESHCOMM_SHM_BYTES lower or MESHCOMM_TRANSPORT=tcp"
         ) from exc
     except BaseException:
         os.close(fd)
-        _unlink(name)
+        unlink_segment(name)
         raise
     if keep_fd:
         mapping.fd = fd
@@ -451,7 +452,7 @@ def _create_segment(
     return mapping
 
 
-def _open_segment(name: str, size: int, plat: _Platform, *, unlink: bool) -> SharedMapping:
+def open_segment(name: str, size: int, plat: Platform, *, unlink: bool) -> SharedMapping:
     """Open and map ``name`` in ``/dev/shm``, or a ``/proc/<pid>/fd/<n>`` path (no name)."""
     via_proc = name.startswith("/proc/")
     path = name if via_proc else os.path.join(SHM_DIR, name)
@@ -471,7 +472,7 @@ def _open_segment(name: str, size: int, plat: _Platform, *, unlink: bool) -> Sha
         if info.st_size != size:
             raise ProtocolError(f"{path} has {info.st_size} bytes, the offer said {size}")
         if unlink and not via_proc:
-            _unlink(name)  # before any byte moves: from now on only the mappings keep it
+            unlink_segment(name)  # before any byte moves: from now on only the mappings keep it
         return SharedMapping(fd, size, plat)
     finally:
         os.close(fd)
