@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -158,10 +159,11 @@ class ShmChannel:
         self._check(False, "recv_into_some")
         return self._transfer(_byte_view(buf, writable=True, what="recv_into_some buffer"), notify)
 
-    def push(self, view: memoryview) -> int:
+    def push(self, view: memoryview | bytes) -> int:
         """:meth:`send_some` without argument checks, for the transport's hot path.
 
-        ``view`` must be a 1-D byte memoryview and this the sending end; the peer is rung if
+        ``view`` must be bytes or a 1-D byte memoryview (no view is made of a frame already
+        in bytes) and this the sending end; the peer is rung if
         it waits on this ring. A closed receiver is not checked (the socket reports it).
         """
         return self._transfer(view, True)
@@ -170,8 +172,12 @@ class ShmChannel:
         """:meth:`recv_into_some` without argument checks (``view``: writable 1-D bytes)."""
         return self._transfer(view, True)
 
-    def _transfer(self, view: memoryview, notify: bool) -> int:
-        """Move bytes between ``view`` and the ring; declare "blocked" if short; notify."""
+    def _transfer(self, view: Any, notify: bool) -> int:
+        """Move bytes between ``view`` and the ring; declare "blocked" if short; notify.
+
+        ``view``: what :meth:`push` takes (bytes or a byte memoryview) on the sending end, a
+        writable byte memoryview on the receiving end (one signature for both directions).
+        """
         load = self._load
         cap = self.capacity
         mine = self._mine  # head (sender) or tail (receiver): only we write it

@@ -154,7 +154,7 @@ class ShmEngine:
     def post_frame(self, sp: ShmPeer, frame: bytes) -> Send | None:
         """Write a small frame (header and payload in one buffer) into ``sp``'s ring, which
         has nothing queued before it; None when all of it went in, else its pending rest."""
-        done = sp.tx.push(frame)  # type: ignore[arg-type]  # bytes work too; no view to make
+        done = sp.tx.push(frame)
         if done:
             self._progress.moved = True
             if done == len(frame):
@@ -222,7 +222,7 @@ class ShmEngine:
         bufs = s.bufs
         while bufs:
             buf = bufs[0]
-            n = push(buf)  # type: ignore[arg-type]  # bytes work too; no view to make
+            n = push(buf)
             if n:
                 self._progress.moved = True
                 s.left -= n
@@ -380,7 +380,7 @@ class ShmEngine:
         self._matching.payload_done(current)
         queue = self._sendq.get(sp.peer)
         if not queue:
-            n = sp.tx.push(wire.FIN_FRAME)  # type: ignore[arg-type]
+            n = sp.tx.push(wire.FIN_FRAME)
             if n == len(wire.FIN_FRAME):
                 return
             rest = wire.FIN_FRAME[n:]
