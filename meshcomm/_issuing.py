@@ -193,10 +193,22 @@ class Issuer:
         return result
 
     # -- planned calls -------------------------------------------------------------------
-    def plan(self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any) -> Any:
-        """The plan of a signature seen for the first time: ``make(call, *args)`` checks
-        everything (every error raised here, before any I/O); kept under ``key``, whose
-        first item is the collective's name."""
+    def plan(
+        self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any
+    ) -> _lower.Plan:
+        """The plan of the call signature ``key`` (its first item the collective's name):
+        the group's cached one, else a new one, ``make(call, *args)`` (every check of the
+        lowering, so every error is raised here, before any I/O), kept under ``key``."""
+        try:
+            return self.plans[key]
+        except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+            pass
+        # Made outside the handler: its errors come without a KeyError as their context.
+        return self._new_plan(key, make, *args)
+
+    def _new_plan(
+        self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any
+    ) -> _lower.Plan:
         plan = make(self.enter(key[0]), *args)
         plans = self.plans
         if len(plans) >= _PLANS:
@@ -207,9 +219,14 @@ class Issuer:
             plans[key] = plan
         return plan
 
-    def run_plan(self, plan: _lower.Plan, run: Runner, x: np.ndarray) -> Any:
-        """Run ``plan`` on ``x`` (a C-contiguous numpy array in the plan's layout): a fresh
-        result filled by ``run(x, result)`` (``plan.run``).
+    def run_plan(
+        self, plan: _lower.Plan, run: Runner, x: np.ndarray, async_op: bool = False
+    ) -> Any:
+        """Run ``plan`` on ``x`` (a numpy array of the plan's signature): a fresh result
+        filled by ``run(x, result)`` (``plan.run``); with ``async_op``, a Work for it.
+
+        The runner reads a C-contiguous array: a strided ``x`` is copied first, and an
+        asynchronous call reads its own copy (the caller may change ``x`` meanwhile).
 
         The fast case runs it here, on the claimed engine, with only the ledger entry and
         the stamp around it (computed inline: a function call is a tenth of what this
@@ -218,6 +235,8 @@ class Issuer:
         first-call check, a trace) or finds the engine taken (queued work, another thread,
         a failed or closed group) hands the same runner to :meth:`issue`.
         """
+        if async_op or not x.flags.c_contiguous:
+            x = x.copy()
         engine, dtype = self.engine, plan.dtype
         if plan.nbytes < _POOLED:
             out = np.empty(plan.shape, dtype)
@@ -225,7 +244,8 @@ class Issuer:
             out = engine.results.take(dtype, plan.count).reshape(plan.shape)
         seen = self._seen
         if (
-            self.debug
+            async_op
+            or self.debug
             or _trace.active is not None
             or (seen is not None and plan.sig not in seen)
             or not engine.claim()
@@ -235,7 +255,7 @@ class Issuer:
                 run(x, out)
                 return out
 
-            return self.issue(plan.collective, (body, plan.fields), False)
+            return self.issue(plan.collective, (body, plan.fields), async_op)
         self.seq = seq = self.seq + 1
         name, book = plan.collective, self.book
         entry = book.add(seq, name, dtype, plan.in_shape, plan.fields)

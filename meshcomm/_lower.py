@@ -572,7 +572,7 @@ def barrier(c: Call) -> Lowered:
 class Plan:
     """One call signature lowered once: the checked result shape and the runner to use.
 
-    A group keeps a plan per signature of the synchronous calls on numpy arrays it has seen
+    A group keeps a plan per signature of the calls on numpy arrays it has seen
     (collective, dtype, shape, reduce op or root, axes, ``tiled``; the backend is the
     group's), made by the ``plan_*`` functions below with every check of the lowering, so a
     call that finds its plan skips no check.
@@ -682,7 +682,7 @@ def _joined(block: tuple[int, ...], axis: int, size: int, tiled: Any) -> tuple[i
 
 
 def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
-    """The plan of a synchronous ``all_reduce`` of ``x`` (no factor)."""
+    """The plan of an ``all_reduce`` of ``x`` (no factor)."""
     arr, dt = _input(c, x)
     rop, _ = _reduce_op(c, op, dt, None)
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
@@ -692,7 +692,7 @@ def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
 
 
 def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
-    """The plan of a synchronous ``reduce_scatter`` of ``x`` (no factor)."""
+    """The plan of an ``reduce_scatter`` of ``x`` (no factor)."""
     arr, dt = _input(c, x)
     rop, _ = _reduce_op(c, op, dt, None)
     ax, block = _blocks(c, arr, axis, tiled, "axis")
@@ -703,7 +703,7 @@ def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) 
 
 
 def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
-    """The plan of a synchronous ``all_gather`` of ``x``."""
+    """The plan of an ``all_gather`` of ``x``."""
     arr, dt = _input(c, x)
     if tiled and arr.ndim == 0:
         raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
@@ -714,7 +714,7 @@ def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
 
 
 def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, tiled: Any) -> Plan:
-    """The plan of a synchronous ``all_to_all`` of ``x``."""
+    """The plan of an ``all_to_all`` of ``x``."""
     arr, dt = _input(c, x)
     split, block = _blocks(c, arr, split_axis, tiled, "split_axis")
     concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
@@ -725,7 +725,7 @@ def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, t
 
 
 def plan_broadcast(c: Call, x: np.ndarray, root: Any) -> Plan:
-    """The plan of a synchronous ``broadcast`` with an array ``x`` on every rank."""
+    """The plan of an ``broadcast`` with an array ``x`` on every rank."""
     r = rank_arg(c, root, "root")
     arr, dt = _input(c, x)
     fields = {"dtype": dt, "shape": arr.shape, "root": r}

@@ -306,16 +306,10 @@ class ProcessGroup(SubGroups):
             >>> g.all_reduce([1.0, 2.0], "premul_sum", factor=3.0)
             array([3., 6.])
         """
-        if type(x) is np.ndarray and not async_op and factor is None:
-            key = ("all_reduce", x.dtype, x.shape, op)
-            try:
-                plan = self._plans[key]
-            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
-                plan = None
-            if plan is None:  # made outside the handler: its errors come without a KeyError
-                plan = self._plan(key, _lower.plan_all_reduce, x, op)
-            if (run := plan.run) is not None and x.flags.c_contiguous:
-                return self._run_plan(plan, run, x)
+        if type(x) is np.ndarray and factor is None:
+            plan = self._plan(("all_reduce", x.dtype, x.shape, op), _lower.plan_all_reduce, x, op)
+            if (run := plan.run) is not None:
+                return self._run_plan(plan, run, x, async_op)
         c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
@@ -349,16 +343,16 @@ class ProcessGroup(SubGroups):
             >>> g.all_gather(x, axis=1).shape, g.all_gather(x, axis=1, tiled=True).shape
             ((2, 1, 3), (2, 3))
         """
-        if type(x) is np.ndarray and not async_op and type(axis) is int:
-            key = ("all_gather", x.dtype, x.shape, axis, tiled)
-            try:
-                plan = self._plans[key]
-            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
-                plan = None
-            if plan is None:  # made outside the handler: its errors come without a KeyError
-                plan = self._plan(key, _lower.plan_all_gather, x, axis, tiled)
-            if (run := plan.run) is not None and x.flags.c_contiguous:
-                return self._run_plan(plan, run, x)
+        if type(x) is np.ndarray and type(axis) is int:
+            plan = self._plan(
+                ("all_gather", x.dtype, x.shape, axis, tiled),
+                _lower.plan_all_gather,
+                x,
+                axis,
+                tiled,
+            )
+            if (run := plan.run) is not None:
+                return self._run_plan(plan, run, x, async_op)
         c = self._enter("all_gather")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
@@ -399,16 +393,17 @@ class ProcessGroup(SubGroups):
             >>> g.reduce_scatter(np.arange(4.0).reshape(1, 4), axis=0)
             array([0., 1., 2., 3.])
         """
-        if type(x) is np.ndarray and not async_op and factor is None and type(axis) is int:
-            key = ("reduce_scatter", x.dtype, x.shape, op, axis, tiled)
-            try:
-                plan = self._plans[key]
-            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
-                plan = None
-            if plan is None:  # made outside the handler: its errors come without a KeyError
-                plan = self._plan(key, _lower.plan_reduce_scatter, x, op, axis, tiled)
-            if (run := plan.run) is not None and x.flags.c_contiguous:
-                return self._run_plan(plan, run, x)
+        if type(x) is np.ndarray and factor is None and type(axis) is int:
+            plan = self._plan(
+                ("reduce_scatter", x.dtype, x.shape, op, axis, tiled),
+                _lower.plan_reduce_scatter,
+                x,
+                op,
+                axis,
+                tiled,
+            )
+            if (run := plan.run) is not None:
+                return self._run_plan(plan, run, x, async_op)
         c = self._enter("reduce_scatter")
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
@@ -450,22 +445,18 @@ class ProcessGroup(SubGroups):
             >>> g.all_to_all(np.arange(6).reshape(1, 6), split_axis=0, concat_axis=1).shape
             (6, 1)
         """
-        if (
-            type(x) is np.ndarray
-            and not async_op
-            and type(split_axis) is int
-            and type(concat_axis) is int
-        ):
+        if type(x) is np.ndarray and type(split_axis) is int and type(concat_axis) is int:
             # Ints only: a key compares equal for 0, False and 0.0, and the checks differ.
-            key = ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled)
-            try:
-                plan = self._plans[key]
-            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
-                plan = None
-            if plan is None:  # made outside the handler: its errors come without a KeyError
-                plan = self._plan(key, _lower.plan_all_to_all, x, split_axis, concat_axis, tiled)
-            if (run := plan.run) is not None and x.flags.c_contiguous:
-                return self._run_plan(plan, run, x)
+            plan = self._plan(
+                ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled),
+                _lower.plan_all_to_all,
+                x,
+                split_axis,
+                concat_axis,
+                tiled,
+            )
+            if (run := plan.run) is not None:
+                return self._run_plan(plan, run, x, async_op)
         c = self._enter("all_to_all")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
@@ -503,22 +494,10 @@ class ProcessGroup(SubGroups):
             >>> g.broadcast(np.arange(3), root=0)
             array([0, 1, 2])
         """
-        if (
-            type(x) is np.ndarray
-            and not async_op
-            and type(root) is int
-            and shape is None
-            and dtype is None
-        ):
-            key = ("broadcast", x.dtype, x.shape, root)
-            try:
-                plan = self._plans[key]
-            except (KeyError, TypeError):  # a new signature (or an unhashable argument)
-                plan = None
-            if plan is None:  # made outside the handler: its errors come without a KeyError
-                plan = self._plan(key, _lower.plan_broadcast, x, root)
-            if (run := plan.run) is not None and x.flags.c_contiguous:
-                return self._run_plan(plan, run, x)
+        if type(x) is np.ndarray and type(root) is int and shape is None and dtype is None:
+            plan = self._plan(("broadcast", x.dtype, x.shape, root), _lower.plan_broadcast, x, root)
+            if (run := plan.run) is not None:
+                return self._run_plan(plan, run, x, async_op)
         c = self._enter("broadcast")
         x, dev = _staging.to_host(x)
         lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))

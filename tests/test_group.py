@@ -511,15 +511,18 @@ def test_all_reduce_reads_the_input_in_place_only_when_safe() -> None:
     got = g.all_reduce(x, "avg")
     assert comm.calls == 1 and not np.shares_memory(got, x)
     np.testing.assert_array_equal(got, x)
-    # Async: the input is snapshotted at issue, so it may change at once.
+    # Async: the plan's runner reads a snapshot taken at issue, so x may change at once.
     work = g.all_reduce(x, async_op=True)
     x[...] = -1
     np.testing.assert_array_equal(work.wait(timeout=10), np.arange(6.0).reshape(2, 3))
-    # Strided, byte-swapped or scaled inputs are copied into the result first.
-    for y, op, factor in ((x[:, ::2], "sum", None), (x.astype(">f8"), "sum", None),
-                          (x, "premul_sum", 2.0)):  # fmt: skip
+    assert comm.calls == 2
+    # A strided input: the plan's runner reads a contiguous copy.
+    np.testing.assert_array_equal(g.all_reduce(x[:, ::2]), x[:, ::2])
+    assert comm.calls == 3
+    # Byte-swapped or scaled inputs are copied into the result first (the lowered route).
+    for y, op, factor in ((x.astype(">f8"), "sum", None), (x, "premul_sum", 2.0)):
         np.testing.assert_array_equal(g.all_reduce(y, op, factor=factor), y * (factor or 1))
-    assert comm.calls == 1
+    assert comm.calls == 3
     g.close()
 
 
