@@ -692,7 +692,7 @@ def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
 
 
 def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
-    """The plan of an ``reduce_scatter`` of ``x`` (no factor)."""
+    """The plan of a ``reduce_scatter`` of ``x`` (no factor)."""
     arr, dt = _input(c, x)
     rop, _ = _reduce_op(c, op, dt, None)
     ax, block = _blocks(c, arr, axis, tiled, "axis")
@@ -725,7 +725,7 @@ def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, t
 
 
 def plan_broadcast(c: Call, x: np.ndarray, root: Any) -> Plan:
-    """The plan of an ``broadcast`` with an array ``x`` on every rank."""
+    """The plan of a ``broadcast`` with an array ``x`` on every rank."""
     r = rank_arg(c, root, "root")
     arr, dt = _input(c, x)
     fields = {"dtype": dt, "shape": arr.shape, "root": r}
