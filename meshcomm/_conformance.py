@@ -460,19 +460,25 @@ def _check_repeated_calls(s: _Suite, g: ProcessGroup) -> None:
     A group runs a repeated signature through the plan it made on the first call (the
     backend's runner for it, or its primitive on flat views), so the calls after the first
     take the fast case of that route: each must still match numpy, for every collective a
-    plan serves (all_reduce, all_gather, reduce_scatter and all_to_all at axis 0, stacked
-    and tiled, broadcast from every root), dtype, op and root.
+    plan serves (all_reduce with every op but premul_sum, avg included; all_gather,
+    reduce_scatter and all_to_all at axis 0, stacked and tiled; broadcast from every root),
+    dtype, op and root, synchronous and asynchronous.
     """
     n, me = g.size, g.rank
     for dt in s.dtypes:
         for op in _valid_ops(dt):
-            if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-                continue  # composed from sum above the backend: the sum rows cover them
+            if op is ReduceOp.PREMUL_SUM:
+                continue  # its factor changes per call: lowered each time, never planned
             for shape in ((5,), (5,), (2, 3)):  # a new shape is a new signature
                 seed = s.seed()
                 xs = [_data(seed, r, shape, dt, op) for r in g.ranks]
                 what = f"repeated all_reduce dtype={dtype_name(dt)} op={op.value} shape={shape}"
-                s.expect(what, s.call(what, g.all_reduce, xs[me], op), _reduce_oracle(op, xs, dt))
+                expected = _reduce_oracle(op, xs, dt)
+                s.expect(what, s.call(what, g.all_reduce, xs[me], op), expected)
+                work = s.call(what, g.all_reduce, xs[me], op, async_op=True)
+                s.expect(f"{what} async", work.wait(), expected)
+                strided = np.stack([xs[me], xs[me]], axis=-1)[..., 0]  # the same values, strided
+                s.expect(f"{what} strided", s.call(what, g.all_reduce, strided, op), expected)
         ordered = ReduceOp.MAX in _valid_ops(dt)
         for _ in range(3):
             seed = s.seed()
@@ -482,6 +488,8 @@ def _check_repeated_calls(s: _Suite, g: ProcessGroup) -> None:
             s.expect(what, s.call(what, g.all_gather, xs[me], tiled=True), np.concatenate(xs))
             what = f"repeated stacked all_gather dtype={name} shape={(n, 2)}"
             s.expect(what, s.call(what, g.all_gather, xs[me]), np.stack(xs))
+            work = s.call(what, g.all_gather, xs[me], async_op=True)
+            s.expect(f"{what} async", work.wait(), np.stack(xs))
             what = f"repeated all_to_all dtype={name} shape={(n, 2)}"
             s.expect(what, s.call(what, g.all_to_all, xs[me]), np.stack([x[me] for x in xs]))
             what = f"repeated tiled all_to_all dtype={name} shape={(n, 2)}"

@@ -583,8 +583,9 @@ class Plan:
             (C-contiguous, native byte order): the backend's prepared
             :data:`~meshcomm.backends.base.Runner` where it offers one
             (:meth:`~meshcomm.backends.base.Communicator.runner`), else its primitive on
-            flat views. None: the signature needs a layout transform or a composed op
-            (``avg``), and its calls take the lowering functions above instead.
+            flat views; for ``avg``, the sum's runner followed by the division. None: the
+            signature needs a layout transform (an axis other than 0, a byte-swapped
+            dtype), and its calls take the lowering functions above instead.
         shape: the result's shape.
         count: the result's number of elements.
         nbytes: the result's bytes.
@@ -686,9 +687,23 @@ def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
     arr, dt = _input(c, x)
     rop, _ = _reduce_op(c, op, dt, None)
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
-    in_layout = rop not in COMPOSED and arr.dtype == dt
-    run = _runner(c, "all_reduce", dt, rop) if in_layout else None
+    run: Runner | None = None
+    if arr.dtype == dt and rop is ReduceOp.AVG:
+        run = _averaging(_runner(c, "all_reduce", dt, ReduceOp.SUM), c.size)
+    elif arr.dtype == dt and rop not in COMPOSED:
+        run = _runner(c, "all_reduce", dt, rop)
     return Plan("all_reduce", fields, run, arr.shape)
+
+
+def _averaging(run_sum: Runner, size: int) -> Runner:
+    """``avg`` from a sum runner: the sum, then divided by the group's size in place (in the
+    dtype, as the lowered route does)."""
+
+    def run_avg(send: np.ndarray, recv: np.ndarray) -> None:
+        run_sum(send, recv)
+        np.true_divide(recv, size, out=recv)
+
+    return run_avg
 
 
 def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
