@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -137,6 +138,7 @@ class MpiRequest:
         keep: tuple[Any, ...],
         on_error: Callable[[BaseException, Sequence[Any]], BaseException],
         statuses: Sequence[Any] = (),
+        late: Callable[[], str] | None = None,
     ) -> None:
         self._requests = list(requests)
         self._what = what
@@ -147,6 +149,7 @@ class MpiRequest:
         self._on_error = on_error
         self._done = not self._requests
         self._statuses = list(statuses)  # MPI_Status per request, for Testall's errors
+        self._describe_late = late  # the timeout's words at the default timeout
 
     @property
     def what(self) -> str:
@@ -189,8 +192,11 @@ class MpiRequest:
         if self._done:
             return
         seconds = self._timeout if timeout is None else float(timeout)
+        late = self._describe_late
+        if late is None or timeout is not None:
+            late = functools.partial(self._late, seconds)
         try:
-            poll(self._test, seconds, self._patience, lambda: self._late(seconds))
+            poll(self._test, seconds, self._patience, late)
         except CommTimeout:
             raise
         except Exception as exc:

@@ -310,28 +310,9 @@ class MpiCommunicator(MpiRunners, Communicator):
         return _device.stage(x, bool(self.cuda_aware) and not host_only, copy_in, copy_back)
 
     def _run(self, what: str, start: Callable[..., Started], *args: Any) -> None:
-        """Start an operation and poll it to completion within the timeout."""
-        self._check(what)
-        requests: list[Any] = []
-        keep: tuple[Any, ...] = ()
-        statuses: list[Any] = []
-        try:
-            requests, finish, keep = start(*args)
-            if len(requests) == 1:
-                test = requests[0].Test
-            else:
-                statuses = [self._mpi.Status() for _ in requests]
-                test = functools.partial(self._mpi.Request.Testall, requests, statuses)
-            if requests and not test():
-                poll(test, self.timeout, self._patience, lambda: self._late(what))
-        except CommTimeout:
-            self._pending.append((requests, keep))  # MPI may still write into them
-            raise
-        except self._error_type as exc:
-            self._pending.append((requests, keep))  # the others may still be in flight
-            raise comm_error(exc, self._at(what), statuses=statuses) from exc
-        if finish is not None:
-            finish()
+        """Start an operation and wait for it within the timeout: the blocking primitives
+        are their nonblocking twins, waited on (one completion route, MpiRequest's)."""
+        self._start(what, start, *args).wait()
 
     def _reduction(self, dtype: np.dtype, op: ReduceOp) -> Reduction:
         red = self._reductions[(dtype, op)] = reduction(dtype, op)
@@ -354,6 +335,7 @@ class MpiCommunicator(MpiRunners, Communicator):
             keep,
             self._error,
             statuses,
+            late=lambda: self._late(what),
         )
         self._pending.append(request)  # dropped by _prune once complete
         self._prune()
