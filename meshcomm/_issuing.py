@@ -14,8 +14,8 @@ Example:
     >>> from meshcomm.group import ProcessGroup
     >>> g = ProcessGroup(SelfCommunicator())
     >>> issuer = g._issuer
-    >>> plan = issuer.plan(("all_reduce",), _lower.plan_all_reduce, np.ones(2), "sum")
-    >>> issuer.run_plan(plan, plan.run, np.ones(2)), issuer.seq
+    >>> plan = issuer.plan(("all_reduce",), _plans.plan_all_reduce, np.ones(2), "sum")
+    >>> issuer.run_plan(plan, np.ones(2)), issuer.seq
     (array([1., 1.]), 1)
     >>> g.close()
 """
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from meshcomm import _call_checks, _fingerprint, _ledger, _lower, _staging
+from meshcomm import _call_checks, _fingerprint, _ledger, _lower, _plans, _staging
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool
-from meshcomm.backends.base import Communicator, Runner
+from meshcomm.backends.base import Communicator
 from meshcomm.errors import CommError, CommTimeout, MismatchError
 from meshcomm.work import ProgressEngine, Work
 
@@ -102,8 +102,8 @@ class Issuer:
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
-        # One plan per call signature (_lower.Plan), made on first use, dropped by close().
-        self.plans: dict[tuple[Any, ...], _lower.Plan] = {}
+        # One plan per call signature (_plans.Plan), made on first use, dropped by close().
+        self.plans: dict[tuple[Any, ...], _plans.Plan] = {}
 
     def relabel(self, where: str) -> None:
         """Name this rank and group ``where`` in messages from now on."""
@@ -194,8 +194,8 @@ class Issuer:
 
     # -- planned calls -------------------------------------------------------------------
     def plan(
-        self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any
-    ) -> _lower.Plan:
+        self, key: tuple[Any, ...], make: Callable[..., _plans.Plan], *args: Any
+    ) -> _plans.Plan:
         """The plan of the call signature ``key`` (its first item the collective's name):
         the group's cached one, else a new one, ``make(call, *args)`` (every check of the
         lowering, so every error is raised here, before any I/O), kept under ``key``."""
@@ -207,8 +207,8 @@ class Issuer:
         return self._new_plan(key, make, *args)
 
     def _new_plan(
-        self, key: tuple[Any, ...], make: Callable[..., _lower.Plan], *args: Any
-    ) -> _lower.Plan:
+        self, key: tuple[Any, ...], make: Callable[..., _plans.Plan], *args: Any
+    ) -> _plans.Plan:
         plan = make(self.enter(key[0]), *args)
         plans = self.plans
         if len(plans) >= _PLANS:
@@ -219,11 +219,9 @@ class Issuer:
             plans[key] = plan
         return plan
 
-    def run_plan(
-        self, plan: _lower.Plan, run: Runner, x: np.ndarray, async_op: bool = False
-    ) -> Any:
+    def run_plan(self, plan: _plans.Plan, x: np.ndarray, async_op: bool = False) -> Any:
         """Run ``plan`` on ``x`` (a numpy array of the plan's signature): a fresh result
-        filled by ``run(x, result)`` (``plan.run``); with ``async_op``, a Work for it.
+        filled by ``plan.run(x, result)``; with ``async_op``, a Work for it.
 
         The runner reads a C-contiguous array: a strided ``x`` is copied first, and an
         asynchronous call reads its own copy (the caller may change ``x`` meanwhile).
@@ -237,7 +235,7 @@ class Issuer:
         """
         if async_op or not x.flags.c_contiguous:
             x = x.copy()
-        engine, dtype = self.engine, plan.dtype
+        engine, dtype, run = self.engine, plan.dtype, plan.run
         if plan.nbytes < _POOLED:
             out = np.empty(plan.shape, dtype)
         else:

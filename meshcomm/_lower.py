@@ -13,12 +13,9 @@ the world's :class:`~meshcomm._arrays.ResultPool`, which recycles large result b
 caller has dropped (no fresh page-faulted memory per call in a loop). Send-side snapshots
 that never escape come from the world's :class:`~meshcomm._arrays.ScratchPool`.
 
-Plans: the ``plan_*`` functions lower a call *signature* once (collective, dtype, shape,
-reduce op or root, axes, ``tiled``): the same checks, the result's shape, and the runner
-to use (:class:`Plan`). A group keeps one plan per signature and runs every synchronous
-call whose input lies in the collective's layout at axis 0 through its plan's runner (the
-backend's :meth:`~meshcomm.backends.base.Communicator.runner`, else its primitive on flat
-views); the others take the per-call functions.
+Plans (:mod:`meshcomm._plans`) lower a call *signature* once with the checks of this
+module; a group's calls on numpy arrays take them, and the functions here serve the rest
+(``premul_sum``, lists, GPU arrays).
 
 Cost: the per-call functions run on every call, so the common case is kept to plain
 attribute, tuple and dict operations: dtypes and (op, dtype) pairs already accepted once
@@ -42,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from meshcomm import _fingerprint
 from meshcomm._arrays import (
     ResultPool,
     ScratchPool,
@@ -62,26 +58,24 @@ __all__ = [
     "COMPOSED",
     "Call",
     "Lowered",
-    "Plan",
     "all_gather",
     "all_reduce",
+    "axis_arg",
     "all_to_all",
     "barrier",
     "broadcast",
     "gather",
+    "input_array",
     "int64_arg",
     "permute",
-    "plan_all_gather",
-    "plan_all_reduce",
-    "plan_all_to_all",
-    "plan_broadcast",
-    "plan_reduce_scatter",
     "reduce_op",
+    "reduce_op_and_factor",
     "recv",
     "reduce",
     "reduce_scatter",
     "scatter",
     "send",
+    "split_blocks",
 ]
 
 #: What a lowering returns: the body to run in order, and the debug fingerprint fields.
@@ -160,7 +154,7 @@ def rank_arg(c: Call, value: Any, name: str) -> int:
     return r
 
 
-def _axis(where: str, axis: Any, ndim: int, name: str) -> int:
+def axis_arg(where: str, axis: Any, ndim: int, name: str) -> int:
     a = int_arg(where, axis, name)
     if not -ndim <= a < ndim:
         raise InvalidArgument(
@@ -176,7 +170,7 @@ def _tag(where: str, tag: Any) -> int:
     return t
 
 
-def _input(c: Call, x: Any) -> tuple[np.ndarray, np.dtype]:
+def input_array(c: Call, x: Any) -> tuple[np.ndarray, np.dtype]:
     arr = as_array(x, c.where)
     return arr, check_dtype(arr.dtype, c.where)
 
@@ -218,7 +212,7 @@ def reduce_op(where: str, op: Any, dtype: np.dtype) -> ReduceOp:
     return rop
 
 
-def _reduce_op(c: Call, op: Any, dtype: np.dtype, factor: Any) -> tuple[ReduceOp, Any]:
+def reduce_op_and_factor(c: Call, op: Any, dtype: np.dtype, factor: Any) -> tuple[ReduceOp, Any]:
     """Parse ``op``, check it against ``dtype``, and return ``factor`` in ``dtype``."""
     rop = reduce_op(c.where, op, dtype)
     if rop is not ReduceOp.PREMUL_SUM:
@@ -254,13 +248,13 @@ def _agree(c: Call, arr_shape: tuple[int, ...], dt: np.dtype, shape: Any, dtype:
         )
 
 
-def _blocks(
+def split_blocks(
     c: Call, arr: np.ndarray, axis: Any, tiled: bool, name: str
 ) -> tuple[int, tuple[int, ...]]:
     """Check ``arr`` splits into ``size`` blocks along ``axis``; return it and the block shape."""
     if arr.ndim == 0:
         raise InvalidArgument(f"{c.where}: needs an array with at least 1 axis, got a 0-d array")
-    ax = _axis(c.where, axis, arr.ndim, name)
+    ax = axis_arg(c.where, axis, arr.ndim, name)
     n = arr.shape[ax]
     if not tiled and n != c.size:
         raise InvalidArgument(
@@ -327,8 +321,8 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
     Otherwise the input is copied into the result buffer (scaled on the way for premul_sum)
     and reduced in place.
     """
-    arr, dt = _input(c, x)
-    rop, f = _reduce_op(c, op, dt, factor)
+    arr, dt = input_array(c, x)
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
     shape = arr.shape
     buf = c.results.take(dt, arr.size)
     out = buf if len(shape) == 1 else buf.reshape(shape)
@@ -360,10 +354,10 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
 
 
 def all_gather(c: Call, x: Any, axis: Any, tiled: bool, snapshot: bool = True) -> Lowered:
-    arr, dt = _input(c, x)
+    arr, dt = input_array(c, x)
     if tiled and arr.ndim == 0:
         raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
-    ax = _axis(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
+    ax = axis_arg(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base, send = _send_side(c, arr, dt, snapshot)
     results = c.results
@@ -381,9 +375,9 @@ def all_gather(c: Call, x: Any, axis: Any, tiled: bool, snapshot: bool = True) -
 def reduce_scatter(
     c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any, snapshot: bool = True
 ) -> Lowered:
-    arr, dt = _input(c, x)
-    rop, f = _reduce_op(c, op, dt, factor)
-    ax, block = _blocks(c, arr, axis, tiled, "axis")
+    arr, dt = input_array(c, x)
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
+    ax, block = split_blocks(c, arr, axis, tiled, "axis")
     comm, pool, size = c.comm, c.pool, c.size
     # Block r (this rank's share) is contiguous in the snapshot and comes back in the
     # result's own layout, so nothing is copied after the communication.
@@ -409,9 +403,9 @@ def reduce_scatter(
 def all_to_all(
     c: Call, x: Any, split_axis: Any, concat_axis: Any, tiled: bool, snapshot: bool = True
 ) -> Lowered:
-    arr, dt = _input(c, x)
-    split, block = _blocks(c, arr, split_axis, tiled, "split_axis")
-    concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
+    arr, dt = input_array(c, x)
+    split, block = split_blocks(c, arr, split_axis, tiled, "split_axis")
+    concat = axis_arg(c.where, concat_axis, arr.ndim, "concat_axis")
     comm, pool, size = c.comm, c.pool, c.size
     view = blocks_view(arr, split, size, tiled)
     base, send = _send_side(c, view, dt, snapshot)
@@ -439,7 +433,7 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
     buf: np.ndarray | None = None
     send: np.ndarray | None = None
     if x is not None:
-        arr, dt = _input(c, x)
+        arr, dt = input_array(c, x)
         _agree(c, arr.shape, dt, shape, dtype)
         out_shape = arr.shape
         if r == c.rank:
@@ -470,8 +464,8 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
 
 def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
     r = rank_arg(c, root, "root")
-    arr, dt = _input(c, x)
-    rop, f = _reduce_op(c, op, dt, factor)
+    arr, dt = input_array(c, x)
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base: np.ndarray | None = None
     if r == c.rank:
@@ -497,7 +491,7 @@ def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
 
 def gather(c: Call, x: Any, root: Any, snapshot: bool = True) -> Lowered:
     r = rank_arg(c, root, "root")
-    arr, dt = _input(c, x)
+    arr, dt = input_array(c, x)
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base, send = _send_side(c, arr, dt, snapshot)
     recv = c.results.take(dt, size * arr.size) if r == c.rank else None
@@ -517,7 +511,7 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool =
     base: np.ndarray | None = None
     send: np.ndarray | None = None
     if x is not None:
-        arr, dt = _input(c, x)
+        arr, dt = input_array(c, x)
         if arr.ndim == 0 or arr.shape[0] != c.size:
             raise InvalidArgument(
                 f"{c.where}: x must have shape (group size {c.size}, ...), got {arr.shape}"
@@ -543,7 +537,7 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool =
 
 def permute(c: Call, x: Any, perm: Any, snapshot: bool = True) -> Lowered:
     pairs = _perm(c, perm)
-    arr, dt = _input(c, x)
+    arr, dt = input_array(c, x)
     dst = next((d for s, d in pairs if s == c.rank), None)
     src = next((s for s, d in pairs if d == c.rank), None)
     comm, pool, shape = c.comm, c.pool, arr.shape
@@ -569,190 +563,11 @@ def barrier(c: Call) -> Lowered:
 
 
 # -- plans ---------------------------------------------------------------------------------
-class Plan:
-    """One call signature lowered once: the checked result shape and the runner to use.
-
-    A group keeps a plan per signature of the calls on numpy arrays it has seen
-    (collective, dtype, shape, reduce op or root, axes, ``tiled``; the backend is the
-    group's), made by the ``plan_*`` functions below with every check of the lowering, so a
-    call that finds its plan skips no check.
-
-    Attributes:
-        collective: the operation name (``"all_reduce"``).
-        run: ``run(x, result)`` for an input in the collective's layout at axis 0
-            (C-contiguous, native byte order): the backend's prepared
-            :data:`~meshcomm.backends.base.Runner` where it offers one
-            (:meth:`~meshcomm.backends.base.Communicator.runner`), else its primitive on
-            flat views; for ``avg``, the sum's runner followed by the division. None: the
-            signature needs a layout transform (an axis other than 0, a byte-swapped
-            dtype), and its calls take the lowering functions above instead.
-        shape: the result's shape.
-        count: the result's number of elements.
-        nbytes: the result's bytes.
-        dtype: the arrays' dtype.
-        in_shape: the input's shape (the key's: read here, not off each call's array).
-        fields: the call's fingerprint fields (the ledger, the mismatch checks).
-        sig: the call's signature (:func:`~meshcomm._fingerprint.signature_of` of
-            ``fields``), the same the lowered route computes.
-        stamp_base: ``sig`` in a stamp's high bits: a call's stamp is ``stamp_base | seq``
-            (the sequence number's low bits).
-
-    Example:
-        >>> from meshcomm.backends.local import SelfCommunicator
-        >>> from meshcomm._arrays import ScratchPool
-        >>> c = Call(SelfCommunicator(), ScratchPool(), "all_gather: rank 0")
-        >>> plan = plan_all_gather(c, np.ones((2, 3)), 0, True)
-        >>> plan.shape, plan.run is not None
-        ((2, 3), True)
-    """
-
-    __slots__ = (
-        "collective",
-        "count",
-        "dtype",
-        "fields",
-        "in_shape",
-        "nbytes",
-        "run",
-        "shape",
-        "sig",
-        "stamp_base",
-    )
-
-    def __init__(
-        self,
-        collective: str,
-        fields: dict[str, Any],
-        run: Runner | None,
-        shape: tuple[int, ...],
-    ) -> None:
-        self.collective = collective
-        self.fields = fields
-        self.run = run
-        self.shape = shape
-        self.count = _prod(shape)
-        self.dtype: np.dtype = fields["dtype"]
-        self.nbytes = self.count * self.dtype.itemsize
-        self.in_shape: tuple[int, ...] = fields["shape"]
-        self.sig = _fingerprint.signature_of(collective, fields, False)
-        self.stamp_base = self.sig << _fingerprint.SEQ_BITS
-
-
-def _runner(c: Call, collective: str, dtype: np.dtype, arg: Any) -> Runner:
-    """The runner of ``collective`` (the name of ``c``'s operation) for ``dtype`` and
-    ``arg`` (reduce op or root), made once per call context."""
-    run = c.runners.get((dtype, arg))
-    if run is None:
-        run = c.runners[(dtype, arg)] = _new_runner(c.comm, collective, dtype, arg)
-    return run
-
-
-def _new_runner(comm: Communicator, collective: str, dtype: np.dtype, arg: Any) -> Runner:
-    """The backend's runner for the signature, else its primitive on flat views."""
-    run = comm.runner(collective, dtype, arg)
-    if run is not None:
-        return run
-    with_arg: Callable[[np.ndarray, np.ndarray, Any], None]
-    if collective == "all_reduce":
-        with_arg = comm.all_reduce_out
-    elif collective == "reduce_scatter":
-        with_arg = comm.reduce_scatter
-    elif collective == "broadcast":
-        with_arg = comm.broadcast_out
-    else:
-        moving = comm.all_gather if collective == "all_gather" else comm.all_to_all
-
-        def run_flat(send: np.ndarray, recv: np.ndarray) -> None:
-            moving(send.reshape(-1), recv.reshape(-1))
-
-        return run_flat
-
-    def run_flat_with(send: np.ndarray, recv: np.ndarray) -> None:
-        with_arg(send.reshape(-1), recv.reshape(-1), arg)
-
-    return run_flat_with
-
-
-def _joined(block: tuple[int, ...], axis: int, size: int, tiled: Any) -> tuple[int, ...]:
-    """The shape of ``size`` blocks of shape ``block`` put together at ``axis``: stacked
-    there (a new axis), or concatenated along it when ``tiled`` (what :func:`unstack`
-    returns)."""
-    if tiled:
-        return (*block[:axis], size * block[axis], *block[axis + 1 :])
-    return (*block[:axis], size, *block[axis:])
-
-
-def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
-    """The plan of an ``all_reduce`` of ``x`` (no factor)."""
-    arr, dt = _input(c, x)
-    rop, _ = _reduce_op(c, op, dt, None)
-    fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
-    run: Runner | None = None
-    if arr.dtype == dt and rop is ReduceOp.AVG:
-        run = _averaging(_runner(c, "all_reduce", dt, ReduceOp.SUM), c.size)
-    elif arr.dtype == dt and rop not in COMPOSED:
-        run = _runner(c, "all_reduce", dt, rop)
-    return Plan("all_reduce", fields, run, arr.shape)
-
-
-def _averaging(run_sum: Runner, size: int) -> Runner:
-    """``avg`` from a sum runner: the sum, then divided by the group's size in place (in the
-    dtype, as the lowered route does)."""
-
-    def run_avg(send: np.ndarray, recv: np.ndarray) -> None:
-        run_sum(send, recv)
-        np.true_divide(recv, size, out=recv)
-
-    return run_avg
-
-
-def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
-    """The plan of a ``reduce_scatter`` of ``x`` (no factor)."""
-    arr, dt = _input(c, x)
-    rop, _ = _reduce_op(c, op, dt, None)
-    ax, block = _blocks(c, arr, axis, tiled, "axis")
-    fields = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
-    in_layout = ax == 0 and rop not in COMPOSED and arr.dtype == dt
-    run = _runner(c, "reduce_scatter", dt, rop) if in_layout else None
-    return Plan("reduce_scatter", fields, run, block)
-
-
-def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
-    """The plan of an ``all_gather`` of ``x``."""
-    arr, dt = _input(c, x)
-    if tiled and arr.ndim == 0:
-        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
-    ax = _axis(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
-    fields = {"dtype": dt, "shape": arr.shape, "axis": ax, "tiled": bool(tiled)}
-    run = _runner(c, "all_gather", dt, None) if ax == 0 and arr.dtype == dt else None
-    return Plan("all_gather", fields, run, _joined(arr.shape, ax, c.size, tiled))
-
-
-def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, tiled: Any) -> Plan:
-    """The plan of an ``all_to_all`` of ``x``."""
-    arr, dt = _input(c, x)
-    split, block = _blocks(c, arr, split_axis, tiled, "split_axis")
-    concat = _axis(c.where, concat_axis, arr.ndim, "concat_axis")
-    fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
-    in_layout = split == concat == 0 and arr.dtype == dt
-    run = _runner(c, "all_to_all", dt, None) if in_layout else None
-    return Plan("all_to_all", fp, run, _joined(block, concat, c.size, tiled))
-
-
-def plan_broadcast(c: Call, x: np.ndarray, root: Any) -> Plan:
-    """The plan of a ``broadcast`` with an array ``x`` on every rank."""
-    r = rank_arg(c, root, "root")
-    arr, dt = _input(c, x)
-    fields = {"dtype": dt, "shape": arr.shape, "root": r}
-    run = _runner(c, "broadcast", dt, r) if arr.dtype == dt else None
-    return Plan("broadcast", fields, run, arr.shape)
-
-
 # -- point to point ------------------------------------------------------------------------
 def send(c: Call, x: Any, dst: Any, tag: Any, snapshot: bool = True) -> Lowered:
     d = rank_arg(c, dst, "dst")
     t = _tag(c.where, tag)
-    arr, dt = _input(c, x)
+    arr, dt = input_array(c, x)
     comm, pool = c.comm, c.pool
     base, buf = _send_side(c, arr, dt, snapshot)
 

@@ -26,7 +26,7 @@ that forces a transpose copy the result once more.
 
 Per-call cost: a synchronous ``all_reduce``, ``reduce_scatter``, ``all_gather``,
 ``all_to_all`` or ``broadcast`` (with an array on every rank) of a numpy array runs through
-its **plan** (:class:`meshcomm._lower.Plan`): the group keeps one plan per call signature
+its **plan** (:class:`meshcomm._plans.Plan`): the group keeps one plan per call signature
 (collective, dtype, shape, reduce op or root, axes, ``tiled``), made on the signature's
 first call with every check of the lowering, holding the result's shape and the runner
 the communicator offers for it (:meth:`~meshcomm.backends.base.Communicator.runner`, else
@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _lower, _staging
+from meshcomm import _fingerprint, _lower, _plans, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm._issuing import Issuer
 from meshcomm._subgroups import SubGroups
@@ -307,9 +307,8 @@ class ProcessGroup(SubGroups):
             array([3., 6.])
         """
         if type(x) is np.ndarray and factor is None:
-            plan = self._plan(("all_reduce", x.dtype, x.shape, op), _lower.plan_all_reduce, x, op)
-            if (run := plan.run) is not None:
-                return self._run_plan(plan, run, x, async_op)
+            plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
+            return self._run_plan(plan, x, async_op)
         c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
@@ -346,13 +345,12 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and type(axis) is int:
             plan = self._plan(
                 ("all_gather", x.dtype, x.shape, axis, tiled),
-                _lower.plan_all_gather,
+                _plans.plan_all_gather,
                 x,
                 axis,
                 tiled,
             )
-            if (run := plan.run) is not None:
-                return self._run_plan(plan, run, x, async_op)
+            return self._run_plan(plan, x, async_op)
         c = self._enter("all_gather")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
@@ -396,14 +394,13 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and factor is None and type(axis) is int:
             plan = self._plan(
                 ("reduce_scatter", x.dtype, x.shape, op, axis, tiled),
-                _lower.plan_reduce_scatter,
+                _plans.plan_reduce_scatter,
                 x,
                 op,
                 axis,
                 tiled,
             )
-            if (run := plan.run) is not None:
-                return self._run_plan(plan, run, x, async_op)
+            return self._run_plan(plan, x, async_op)
         c = self._enter("reduce_scatter")
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
@@ -449,14 +446,13 @@ class ProcessGroup(SubGroups):
             # Ints only: a key compares equal for 0, False and 0.0, and the checks differ.
             plan = self._plan(
                 ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled),
-                _lower.plan_all_to_all,
+                _plans.plan_all_to_all,
                 x,
                 split_axis,
                 concat_axis,
                 tiled,
             )
-            if (run := plan.run) is not None:
-                return self._run_plan(plan, run, x, async_op)
+            return self._run_plan(plan, x, async_op)
         c = self._enter("all_to_all")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
@@ -495,9 +491,8 @@ class ProcessGroup(SubGroups):
             array([0, 1, 2])
         """
         if type(x) is np.ndarray and type(root) is int and shape is None and dtype is None:
-            plan = self._plan(("broadcast", x.dtype, x.shape, root), _lower.plan_broadcast, x, root)
-            if (run := plan.run) is not None:
-                return self._run_plan(plan, run, x, async_op)
+            plan = self._plan(("broadcast", x.dtype, x.shape, root), _plans.plan_broadcast, x, root)
+            return self._run_plan(plan, x, async_op)
         c = self._enter("broadcast")
         x, dev = _staging.to_host(x)
         lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
