@@ -37,8 +37,9 @@ def _checks(group: ProcessGroup, state: tuple[Any, Any], on: bool) -> None:
     """Turn the checks of ``group`` on (its stamp holder, or its set of checked signatures
     on mpi, back) or off (as OFF makes it: neither)."""
     holder, seen = state
-    group._stamper = holder if on else None
-    group._seen = seen if on else None
+    issuer = group._issuer  # where a group's calls read both
+    issuer._stamper = holder if on else None
+    issuer._seen = seen if on else None
     if not on and holder is not None:
         holder.stamp = None  # the link then sends the plain tag, as under OFF
 
@@ -65,7 +66,7 @@ def main() -> None:
     x = np.zeros(max(1, args.bytes // 4), np.float32)  # stays 0 however often it is reduced
     rows = []
     for name, group in (("world", top), ("subgroup", sub)):
-        holder = (group._stamper, group._seen)
+        holder = (group._issuer._stamper, group._issuer._seen)
         if holder == (None, None):
             raise SystemExit(f"{name}: no checks (MESHCOMM_DEBUG is set)")
         times: dict[bool, list[float]] = {True: [], False: []}
