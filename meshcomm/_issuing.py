@@ -224,7 +224,8 @@ class Issuer:
         filled by ``plan.run(x, result)``; with ``async_op``, a Work for it.
 
         The runner reads a C-contiguous array: a strided ``x`` is copied first, and an
-        asynchronous call reads its own copy (the caller may change ``x`` meanwhile).
+        asynchronous call reads its own copy (the caller may change ``x`` meanwhile); both
+        go through :meth:`_run_plan_on_copy`.
 
         The fast case runs it here, on the claimed engine, with only the ledger entry and
         the stamp around it (computed inline: a function call is a tenth of what this
@@ -234,7 +235,7 @@ class Issuer:
         a failed or closed group) hands the same runner to :meth:`issue`.
         """
         if async_op or not x.flags.c_contiguous:
-            x = x.copy()
+            return self._run_plan_on_copy(plan, x, async_op)
         engine, dtype, run = self.engine, plan.dtype, plan.run
         if plan.nbytes < _POOLED:
             out = np.empty(plan.shape, dtype)
@@ -242,8 +243,7 @@ class Issuer:
             out = engine.results.take(dtype, plan.count).reshape(plan.shape)
         seen = self._seen
         if (
-            async_op
-            or self.debug
+            self.debug
             or _trace.active is not None
             or (seen is not None and plan.sig not in seen)
             or not engine.claim()
@@ -253,7 +253,7 @@ class Issuer:
                 run(x, out)
                 return out
 
-            return self.issue(plan.collective, (body, plan.fields), async_op)
+            return self.issue(plan.collective, (body, plan.fields), False)
         self.seq = seq = self.seq + 1
         name, book = plan.collective, self.book
         entry = book.add(seq, name, dtype, plan.in_shape, plan.fields)
@@ -276,6 +276,35 @@ class Issuer:
         finally:
             engine.release()
         return out
+
+    def _run_plan_on_copy(self, plan: _plans.Plan, x: np.ndarray, async_op: bool) -> Any:
+        """:meth:`run_plan` for an asynchronous call or a strided input: the runner reads a
+        copy of ``x`` in the engine's scratch memory (reused from call to call, so a large
+        input costs no fresh pages), through the engine's queue."""
+        engine, dtype, run = self.engine, plan.dtype, plan.run
+        if plan.nbytes < _POOLED:
+            out = np.empty(plan.shape, dtype)
+        else:
+            out = engine.results.take(dtype, plan.count).reshape(plan.shape)
+        in_place = plan.run_in_place
+        if in_place is not None:
+            np.copyto(out, x)  # the copy is the result, reduced where it lies
+
+            def reduce_copy() -> np.ndarray:
+                in_place(out)
+                return out
+
+            return self.issue(plan.collective, (reduce_copy, plan.fields), async_op)
+        pool = engine.pool
+        base, snapshot = pool.take(dtype, x.shape)
+        np.copyto(snapshot, x)
+
+        def body() -> np.ndarray:
+            run(snapshot, out)
+            pool.give(base)  # not after a failure: the transport may still read it
+            return out
+
+        return self.issue(plan.collective, (body, plan.fields), async_op)
 
     # -- failures ------------------------------------------------------------------------
     def _raise_judged(

@@ -73,6 +73,10 @@ class Plan:
         run: ``run(x, result)`` for a C-contiguous input of the signature and a fresh
             C-contiguous result: the backend's runner, wrapped as the signature needs (see
             the module docstring).
+        run_in_place: ``run_in_place(result)`` for a result that already holds this rank's
+            input (an all_reduce's asynchronous call, which copies its input anyway: reduced
+            in place, one pass over memory fewer than reading the copy into a second
+            buffer), or None.
         shape: the result's shape.
         count: the result's number of elements.
         nbytes: the result's bytes.
@@ -101,6 +105,7 @@ class Plan:
         "in_shape",
         "nbytes",
         "run",
+        "run_in_place",
         "shape",
         "sig",
         "stamp_base",
@@ -116,6 +121,7 @@ class Plan:
         self.collective = collective
         self.fields = fields
         self.run = run
+        self.run_in_place: Callable[[np.ndarray], None] | None = None
         self.shape = shape
         self.count = math.prod(shape)
         self.dtype: np.dtype = fields["dtype"]
@@ -175,7 +181,24 @@ def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
     rop, _ = reduce_op_and_factor(c, op, dt, None)
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
     run = _reducing(c, "all_reduce", dt, rop)
-    return Plan("all_reduce", fields, _native(run, arr.dtype, dt), arr.shape)
+    plan = Plan("all_reduce", fields, _native(run, arr.dtype, dt), arr.shape)
+    plan.run_in_place = _reducing_in_place(c.comm, rop, c.size)
+    return plan
+
+
+def _reducing_in_place(
+    comm: Communicator, rop: ReduceOp, size: int
+) -> Callable[[np.ndarray], None]:
+    """An all_reduce of a buffer in place (the communicator's primitive; ``avg`` divides)."""
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    average = rop is ReduceOp.AVG
+
+    def run(buf: np.ndarray) -> None:
+        comm.all_reduce(buf.reshape(-1), prim)
+        if average:
+            np.true_divide(buf, size, out=buf)
+
+    return run
 
 
 def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
