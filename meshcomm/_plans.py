@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from meshcomm import _fingerprint
-from meshcomm._arrays import blocks_view, unstack
+from meshcomm._arrays import ScratchPool, blocks_view, unstack
 from meshcomm._lower import (
     COMPOSED,
     Call,
@@ -209,7 +209,7 @@ def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) 
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
     run = _reducing(c, "reduce_scatter", dt, rop)
     if ax != 0:  # at axis 0 a C-contiguous input is rank-major already, tiled or not
-        run = _sending_blocks(run, ax, c.size, bool(tiled), dt)
+        run = _sending_blocks(run, c.pool, ax, c.size, bool(tiled), dt)
     return Plan("reduce_scatter", fields, _native(run, arr.dtype, dt), block)
 
 
@@ -222,7 +222,7 @@ def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
     fields = {"dtype": dt, "shape": arr.shape, "axis": ax, "tiled": bool(tiled)}
     run = _runner(c, "all_gather", dt, None)
     if ax != 0:
-        run = _placing_blocks(run, arr.shape, ax, c.size, bool(tiled), dt)
+        run = _placing_blocks(run, c.pool, arr.shape, ax, c.size, bool(tiled), dt)
     return Plan(
         "all_gather", fields, _native(run, arr.dtype, dt), _joined(arr.shape, ax, c.size, tiled)
     )
@@ -236,9 +236,9 @@ def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, t
     fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
     run = _runner(c, "all_to_all", dt, None)
     if concat != 0:
-        run = _placing_blocks(run, block, concat, c.size, bool(tiled), dt)
+        run = _placing_blocks(run, c.pool, block, concat, c.size, bool(tiled), dt)
     if split != 0:
-        run = _sending_blocks(run, split, c.size, bool(tiled), dt)
+        run = _sending_blocks(run, c.pool, split, c.size, bool(tiled), dt)
     return Plan(
         "all_to_all", fp, _native(run, arr.dtype, dt), _joined(block, concat, c.size, tiled)
     )
@@ -280,32 +280,44 @@ def _native(run: Runner, given: np.dtype, dt: np.dtype) -> Runner:
     return run_native
 
 
-def _sending_blocks(run: Runner, axis: int, size: int, tiled: bool, dt: np.dtype) -> Runner:
+def _sending_blocks(
+    run: Runner, pool: ScratchPool, axis: int, size: int, tiled: bool, dt: np.dtype
+) -> Runner:
     """``run`` for an input split into rank blocks along ``axis``: the blocks are copied
-    rank-major (block ``r`` for rank ``r``) first, the layout the wire sends."""
+    rank-major (block ``r`` for rank ``r``) first, the layout the wire sends, into scratch
+    memory reused from call to call (no fresh pages for a large input)."""
 
     def run_blocks(send: np.ndarray, recv: np.ndarray) -> None:
         view = blocks_view(send, axis, size, tiled)
-        rank_major = np.empty(view.shape, dt)
+        base, rank_major = pool.take(dt, view.shape)
         np.copyto(rank_major, view)
         run(rank_major, recv)
+        pool.give(base)  # not after a failure: the transport may still read it
 
     return run_blocks
 
 
 def _placing_blocks(
-    run: Runner, block: tuple[int, ...], axis: int, size: int, tiled: bool, dt: np.dtype
+    run: Runner,
+    pool: ScratchPool,
+    block: tuple[int, ...],
+    axis: int,
+    size: int,
+    tiled: bool,
+    dt: np.dtype,
 ) -> Runner:
     """``run`` for a result that puts the received rank blocks (each of shape ``block``)
-    together at ``axis``: they arrive rank-major and are then moved into place."""
+    together at ``axis``: they arrive rank-major in scratch memory and are then moved into
+    place."""
     count = size * math.prod(block)
 
     def run_placing(send: np.ndarray, recv: np.ndarray) -> None:
-        rank_major = np.empty(count, dt)
+        base, rank_major = pool.take(dt, (count,))
         run(send, rank_major)
         flat = recv.reshape(-1)
         placed = unstack(rank_major, block, axis, size, tiled, lambda _dt, _n: flat)
         if not np.may_share_memory(placed, recv):
             np.copyto(recv, placed)  # the blocks were in place already: a view of rank_major
+        pool.give(base)  # not after a failure: the transport may still write it
 
     return run_placing
