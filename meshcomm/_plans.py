@@ -117,11 +117,12 @@ class Plan:
         fields: dict[str, Any],
         run: Runner,
         shape: tuple[int, ...],
+        run_in_place: Callable[[np.ndarray], None] | None = None,
     ) -> None:
         self.collective = collective
         self.fields = fields
         self.run = run
-        self.run_in_place: Callable[[np.ndarray], None] | None = None
+        self.run_in_place = run_in_place
         self.shape = shape
         self.count = math.prod(shape)
         self.dtype: np.dtype = fields["dtype"]
@@ -181,9 +182,8 @@ def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
     rop, _ = reduce_op_and_factor(c, op, dt, None)
     fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
     run = _reducing(c, "all_reduce", dt, rop)
-    plan = Plan("all_reduce", fields, _native(run, arr.dtype, dt), arr.shape)
-    plan.run_in_place = _reducing_in_place(c.comm, rop, c.size)
-    return plan
+    in_place = _reducing_in_place(c.comm, rop, c.size)
+    return Plan("all_reduce", fields, _native(run, arr.dtype, dt), arr.shape, in_place)
 
 
 def _reducing_in_place(
