@@ -49,6 +49,8 @@ _POOLED = ResultPool.MIN_BYTES
 
 # _fingerprint's stamp layout: a plan's call stamps ``plan.stamp_base | (seq & _SEQ_MASK)``.
 _SEQ_MASK = (1 << _fingerprint.SEQ_BITS) - 1
+#: Collectives whose fingerprints leave out where the caller's array lives.
+_LOCATION_FREE = frozenset({"broadcast", "scatter"})
 
 
 class Issuer:
@@ -147,11 +149,15 @@ class Issuer:
 
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self.engine.submit(body, f"{op} on {self._where}", bool(async_op))
+        # Ranks off the root may pass None to broadcast and scatter, so where each rank's
+        # result lives is its own choice there: those two compare no location (read as
+        # the host's, as their planned calls do).
+        on_device = device is not None and op not in _LOCATION_FREE
         self.seq = seq = self.seq + 1
         label = f"{op} (op #{seq}) on {self._where}"
         group = self._group
         if self.debug:
-            row = _fingerprint.encode(op, seq, on_device=device is not None, **fields)
+            row = _fingerprint.encode(op, seq, on_device=on_device, **fields)
             comm, ranks, unchecked = self._comm, group.ranks, body
 
             def body() -> Any:
@@ -167,13 +173,12 @@ class Issuer:
             fields = {**fields, "device": True}  # for the ledger
         entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
         if self._stamper is not None:
-            sig = _fingerprint.signature_of(op, fields, device is not None)
+            sig = _fingerprint.signature_of(op, fields, on_device)
             stamp = _fingerprint.stamp(sig, seq)
             body = _call_checks.stamped(body, self._stamper, stamp, self._words(op, seq, entry))
         elif self._seen is not None:
-            sig = _fingerprint.signature_of(op, fields, device is not None)
+            sig = _fingerprint.signature_of(op, fields, on_device)
             if sig not in self._seen:
-                on_device = device is not None
                 row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
                 body = _call_checks.checked_first(
                     group, self._comm, body, row, sig, self._seen, op, seq, label, entry

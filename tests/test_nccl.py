@@ -116,7 +116,8 @@ def test_the_unique_id_crosses_an_authenticated_store_unchanged() -> None:
     try:
         peer = TCPStore("127.0.0.1", master.port, timeout=10, secret="job secret")
         master.set("meshcomm/nccl/uid", _lib.id_to_bytes(unique_id))
-        assert _lib.id_from_bytes(peer.get("meshcomm/nccl/uid")) == unique_id
+        assert _lib.id_from_bytes(peer.get("meshcomm/nccl/uid")) == _lib.id_to_bytes(unique_id)
+        assert _lib.id_to_bytes(_lib.id_to_bytes(unique_id)) == _lib.id_to_bytes(unique_id)
         peer.close()
     finally:
         master.close()
@@ -170,6 +171,24 @@ def test_the_watchdog_drops_completed_operations_and_its_thread_ends() -> None:
     assert owner.failures == []
 
 
+def test_the_watchdog_drops_the_completed_prefix_and_hands_its_events_back() -> None:
+    dog, owner = Watchdog(), _Owner()
+    events, spare = [_Event() for _ in range(5)], []
+    for event in events:
+        dog.watch(owner, event, 60.0, "all_reduce over 'tp'", spare)
+    for event in events[:3]:  # one stream: they complete in order
+        event.done = True
+    deadline = time.monotonic() + 5
+    while dog.pending() != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dog.pending() == 2 and spare == events[:3] and owner.failures == []
+    for event in events[3:]:
+        event.done = True
+    while dog.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spare == events
+
+
 def test_the_watchdog_reports_nccls_asynchronous_error_at_once() -> None:
     dog, owner = Watchdog(), _Owner(error="NCCL_ERROR_REMOTE_ERROR: remote process exited")
     dog.watch(owner, _Event(), 60.0, "psum over 'dp'")
@@ -218,7 +237,7 @@ def test_every_collective_at_world_one_equals_numpy(name: str) -> None:
         comm.permute(cp.asarray(host), 0, out, 0)
         np.testing.assert_array_equal(cp.asnumpy(out), host)
         comm.barrier()
-        comm.send(cp.asarray(host.reshape(7, 1)), 0, 5)
+        comm.send(cp.asarray(host.reshape(7, 1)), 0, 5)  # to itself: kept until received
         got, src = comm.recv(0, 5)
         assert src == 0 and got.shape == (7, 1) and got.dtype == dtype
         np.testing.assert_array_equal(cp.asnumpy(got).ravel(), host)

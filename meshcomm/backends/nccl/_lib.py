@@ -42,6 +42,7 @@ __all__ = [
     "id_from_bytes",
     "id_to_bytes",
     "load",
+    "make_communicator",
     "reduction_codes",
 ]
 
@@ -134,8 +135,10 @@ def reduction_codes(dtype: np.dtype, op: ReduceOp, what: str) -> tuple[int, int,
     )
 
 
-def id_to_bytes(unique_id: tuple[int, ...]) -> bytes:
-    """cupy's unique id (a tuple of signed chars) as the 128 bytes the store carries.
+def id_to_bytes(unique_id: bytes | tuple[int, ...]) -> bytes:
+    """cupy's unique id as the 128 bytes the store carries.
+
+    cupy 14 hands the id out as ``bytes``; earlier versions as a tuple of signed chars.
 
     Example:
         >>> id_to_bytes((-1, 0, 1) + (0,) * 125)[:3]
@@ -144,16 +147,30 @@ def id_to_bytes(unique_id: tuple[int, ...]) -> bytes:
     return bytes(b & 0xFF for b in unique_id)
 
 
-def id_from_bytes(raw: bytes) -> tuple[int, ...]:
-    """The tuple cupy's ``NcclCommunicator`` takes, from :func:`id_to_bytes`'s bytes.
+def id_from_bytes(raw: bytes) -> bytes:
+    """The id's 128 bytes, checked (what :func:`make_communicator` takes).
 
     Raises:
         ValueError: not :data:`UNIQUE_ID_BYTES` bytes.
 
     Example:
         >>> id_from_bytes(id_to_bytes((-1, 0, 1) + (0,) * 125))[:3]
-        (-1, 0, 1)
+        b'\\xff\\x00\\x01'
     """
     if len(raw) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
-    return tuple(b - 256 if b > 127 else b for b in raw)
+    return bytes(raw)
+
+
+def make_communicator(nccl: Any, size: int, unique_id: bytes, rank: int) -> Any:
+    """``ncclCommInitRank`` through cupy, whichever form of the id this cupy takes.
+
+    cupy 14 takes the id as ``bytes``; cupy 13 and earlier as a tuple of signed chars and
+    refuse ``bytes`` with a ``TypeError`` before calling NCCL, so trying one form then the
+    other is safe.
+    """
+    try:
+        return nccl.NcclCommunicator(size, unique_id, rank)
+    except TypeError:
+        signed = tuple(b - 256 if b > 127 else b for b in unique_id)
+        return nccl.NcclCommunicator(size, signed, rank)

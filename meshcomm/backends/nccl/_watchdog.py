@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Protocol
 
 __all__ = ["POLL_SECONDS", "WATCHDOG", "Watched", "Watchdog"]
 
 #: How often the thread looks at the events.
 POLL_SECONDS = 0.005
+
+
+#: A watched operation: its event, deadline, name, and the spare list its event goes to.
+_Entry = tuple[Any, float, str, "list[Any] | None"]
 
 
 class Watched(Protocol):
@@ -37,17 +42,37 @@ class Watched(Protocol):
 
 
 class Watchdog:
-    """Events of queued NCCL operations, each with a deadline; a thread that checks them."""
+    """Events of queued NCCL operations, each with a deadline; a thread that checks them.
+
+    A communicator queues all its operations on one stream, so they complete in the order
+    queued and the completed ones are a prefix of its queue. Per owner, the thread asks the
+    newest event first (done: the whole queue is), else finds the first operation not done
+    by bisection and fails the owner if that one is past its deadline. A poll costs a few
+    event queries per owner, however many operations are queued (a query takes the GIL
+    from the calling thread for about 2 us, so one per operation would tax every call).
+    Completed events go back to the ``spare`` list they were watched with, for reuse.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: list[tuple[Watched, Any, float, str]] = []
+        self._queues: dict[int, tuple[Watched, deque[_Entry]]] = {}
         self._thread: threading.Thread | None = None
 
-    def watch(self, owner: Watched, event: Any, timeout: float, what: str) -> None:
-        """Fail ``owner`` with a timeout naming ``what`` unless ``event`` completes in time."""
+    def watch(
+        self, owner: Watched, event: Any, timeout: float, what: str, spare: list[Any] | None = None
+    ) -> None:
+        """Fail ``owner`` with a timeout naming ``what`` unless ``event`` completes in time.
+
+        ``owner``'s operations must complete in the order they are watched (one stream).
+        ``spare``: where ``event`` goes once it completed (None: nowhere).
+        """
+        entry = (event, time.monotonic() + timeout, what, spare)
         with self._lock:
-            self._entries.append((owner, event, time.monotonic() + timeout, what))
+            queued = self._queues.get(id(owner))
+            if queued is None:
+                self._queues[id(owner)] = (owner, deque([entry]))
+            else:
+                queued[1].append(entry)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="meshcomm-nccl-watchdog", daemon=True
@@ -57,40 +82,61 @@ class Watchdog:
     def forget(self, owner: Watched) -> None:
         """Stop watching ``owner``'s operations (it is closing)."""
         with self._lock:
-            self._entries = [e for e in self._entries if e[0] is not owner]
+            self._queues.pop(id(owner), None)
 
     def pending(self) -> int:
         """Operations still watched."""
         with self._lock:
-            return len(self._entries)
+            return sum(len(queue) for _, queue in self._queues.values())
 
     def _run(self) -> None:
         while True:
             time.sleep(POLL_SECONDS)
             with self._lock:
-                if not self._entries:  # nothing queued: the next watch() starts a thread
+                if not self._queues:  # nothing queued: the next watch() starts a thread
                     self._thread = None
                     return
-                entries = list(self._entries)
-            failed: dict[int, tuple[Watched, str, bool]] = {}
-            finished = set()
+                owners = list(self._queues.values())
             now = time.monotonic()
-            for index, (owner, event, deadline, what) in enumerate(entries):
-                if id(owner) in failed or event.done:
-                    finished.add(index)
+            for owner, queue in owners:
+                reason = self._verdict(owner, queue, now)
+                if reason is not None:
+                    with self._lock:
+                        self._queues.pop(id(owner), None)
+                    owner.fail(*reason)
+            with self._lock:
+                for key in [k for k, (_, queue) in self._queues.items() if not queue]:
+                    del self._queues[key]
+
+    @staticmethod
+    def _verdict(owner: Watched, queue: deque[_Entry], now: float) -> tuple[str, bool] | None:
+        """Drop ``owner``'s completed operations; the reason it fails now, or None."""
+        if not queue:
+            return None
+        if queue[-1][0].done:
+            done = len(queue)
+        else:  # the completed ones are a prefix: find its end
+            low, high = 0, len(queue) - 1  # queue[high] is not done
+            while low < high:
+                middle = (low + high) // 2
+                if queue[middle][0].done:
+                    low = middle + 1
                 else:
-                    error = owner.async_error()
-                    if error is not None:
-                        failed[id(owner)] = (owner, f"{what}: NCCL reported {error}", False)
-                    elif now > deadline:
-                        failed[id(owner)] = (owner, f"{what}: not completed in time", True)
-            for owner, reason, timed_out in failed.values():
-                owner.fail(reason, timed_out)
-            gone = {id(entries[i]) for i in finished}
-            with self._lock:  # entries added or forgotten meanwhile stay as they are
-                self._entries = [
-                    e for e in self._entries if id(e) not in gone and id(e[0]) not in failed
-                ]
+                    high = middle
+            done = low
+        for _ in range(done):
+            event, _, _, spare = queue.popleft()
+            if spare is not None:
+                spare.append(event)
+        if not queue:
+            return None
+        _, deadline, what, _ = queue[0]
+        error = owner.async_error()
+        if error is not None:
+            return f"{what}: NCCL reported {error}", False
+        if now > deadline:
+            return f"{what}: not completed in time", True
+        return None
 
 
 #: The process's one watchdog.

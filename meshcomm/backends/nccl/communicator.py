@@ -124,6 +124,12 @@ class NcclCommunicator(Communicator):
         self._closed = False
         self._subs: dict[tuple[int, ...], int] = {}
         self._lock = threading.Lock()
+        # Messages this rank sent itself, by tag, oldest first: NCCL pairs a send to self
+        # only with a receive in the same group call, which send() and recv() are not.
+        self._to_self: dict[int, list[Any]] = {}
+        self._codes: dict[tuple[Any, ReduceOp, str], tuple[int, int, int]] = {}
+        self._caller_ready: Any = None
+        self._spare_events: list[Any] = []  # completed events, refilled by the watchdog
 
     @classmethod
     def create_world(cls, rank: int, size: int, store: Store, timeout: float) -> NcclCommunicator:
@@ -149,7 +155,19 @@ class NcclCommunicator(Communicator):
         if self._nccl is None:
             self._nccl = self._bootstrap(what)
             self._stream = self._cp.cuda.Stream(non_blocking=True)
+            self._caller_ready = self._event()
         return self._nccl
+
+    def _event(self) -> Any:
+        """A CUDA event without timing (cheaper to record and query than a timed one)."""
+        return self._cp.cuda.Event(block=False, disable_timing=True)
+
+    def _reduction(self, dtype: Any, op: ReduceOp, what: str) -> tuple[int, int, int]:
+        key = (dtype, op, what)
+        codes = self._codes.get(key)
+        if codes is None:
+            codes = self._codes[key] = _lib.reduction_codes(np.dtype(dtype), op, what)
+        return codes
 
     def _bootstrap(self, what: str) -> Any:
         store, key = self._store, f"{self._prefix}/uid"
@@ -171,7 +189,9 @@ class NcclCommunicator(Communicator):
         def init() -> None:
             try:
                 device.use()  # NCCL binds to the device current in the thread that inits
-                made["comm"] = self._nccl_mod.NcclCommunicator(self.size, unique_id, self.rank)
+                made["comm"] = _lib.make_communicator(
+                    self._nccl_mod, self.size, unique_id, self.rank
+                )
             except Exception as exc:  # handed to the waiting thread
                 made["error"] = exc
 
@@ -230,23 +250,32 @@ class NcclCommunicator(Communicator):
                 comm.abort()
 
     # -- queueing ------------------------------------------------------------------------
-    def _queue(self, what: str, launch: Callable[[Any, int], None]) -> Any:
+    def _queue(self, what: str, launch: Callable[[Any, int], None], reuse: bool = True) -> Any:
         """Run ``launch(nccl_comm, stream_ptr)`` on this communicator's stream, ordered after
-        the caller's current stream and before its later work; return the done event."""
+        the caller's current stream and before its later work; return the done event.
+
+        ``reuse``: the done event may be recorded again once it completed (False where the
+        caller waits on it: another thread's call could record it meanwhile)."""
         comm = self._ready(what)
         caller = self._cp.cuda.get_current_stream()
         stream = self._stream
-        stream.wait_event(caller.record())
+        # cudaStreamWaitEvent takes the event as last recorded, so one event serves every
+        # call; the done event is new each time (the watchdog holds it until it completes).
+        ready = self._caller_ready
+        ready.record(caller)
+        stream.wait_event(ready)
         try:
             launch(comm, stream.ptr)
         except Exception as exc:  # NcclError: a bad argument or an aborted communicator
             raise CommError(f"{what} {self.label}: NCCL: {exc}") from exc
-        done = stream.record()
+        spare = self._spare_events
+        done = spare.pop() if spare and reuse else self._event()
+        done.record(stream)
         caller.wait_event(done)
-        WATCHDOG.watch(self, done, self.timeout, f"{what} {self.label}")
+        WATCHDOG.watch(self, done, self.timeout, f"{what} {self.label}", spare if reuse else None)
         return done
 
-    def _grouped(self, what: str, launch: Callable[[Any, int], None]) -> Any:
+    def _grouped(self, what: str, launch: Callable[[Any, int], None], reuse: bool = True) -> Any:
         """:meth:`_queue` with the launches inside ``ncclGroupStart`` / ``ncclGroupEnd``."""
         nccl = self._nccl_mod
 
@@ -257,7 +286,7 @@ class NcclCommunicator(Communicator):
             finally:
                 nccl.groupEnd()
 
-        return self._queue(what, grouped)
+        return self._queue(what, grouped, reuse)
 
     def _host_wait(self, what: str, done: Any) -> None:
         """Wait on the host for ``done``, raising what the watchdog found, or a timeout."""
@@ -272,19 +301,25 @@ class NcclCommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, buf: Any, op: ReduceOp) -> None:
         """Reduce ``buf`` across ranks, in place (see :mod:`._lib` for the dtypes and ops)."""
-        dtype, code, per = _lib.reduction_codes(np.dtype(buf.dtype), op, "all_reduce")
+        dtype, code, per = self._reduction(buf.dtype, op, "all_reduce")
         count, ptr = buf.size * per, _address(buf)
         self._queue("all_reduce", lambda c, s: c.allReduce(ptr, ptr, count, dtype, code, s))
 
+    def all_reduce_out(self, send: Any, recv: Any, op: ReduceOp) -> None:
+        """Reduce ``send`` across ranks into ``recv`` (NCCL's out-of-place allReduce)."""
+        dtype, code, per = self._reduction(send.dtype, op, "all_reduce")
+        count, src, dst = send.size * per, _address(send), _address(recv)
+        self._queue("all_reduce", lambda c, s: c.allReduce(src, dst, count, dtype, code, s))
+
     def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp) -> None:
         """Reduce ``send`` across ranks; rank r gets block r in ``recv``."""
-        dtype, code, per = _lib.reduction_codes(np.dtype(send.dtype), op, "reduce_scatter")
+        dtype, code, per = self._reduction(send.dtype, op, "reduce_scatter")
         count, src, dst = recv.size * per, _address(send), _address(recv)
         self._queue("reduce_scatter", lambda c, s: c.reduceScatter(src, dst, count, dtype, code, s))
 
     def reduce(self, buf: Any, root: int, op: ReduceOp) -> None:
         """Reduce ``buf`` onto ``root``, in place there."""
-        dtype, code, per = _lib.reduction_codes(np.dtype(buf.dtype), op, "reduce")
+        dtype, code, per = self._reduction(buf.dtype, op, "reduce")
         count, ptr = buf.size * per, _address(buf)
         self._queue("reduce", lambda c, s: c.reduce(ptr, ptr, count, dtype, code, root, s))
 
@@ -341,7 +376,7 @@ class NcclCommunicator(Communicator):
         token = self._cp.zeros(1, dtype=self._cp.int32)
         ptr = _address(token)
         dtype, code, _ = _lib.reduction_codes(np.dtype(np.int32), ReduceOp.SUM, "barrier")
-        done = self._queue("barrier", lambda c, s: c.allReduce(ptr, ptr, 1, dtype, code, s))
+        done = self._queue("barrier", lambda c, s: c.allReduce(ptr, ptr, 1, dtype, code, s), False)
         self._host_wait("barrier", done)
 
     # -- point to point ------------------------------------------------------------------
@@ -352,6 +387,11 @@ class NcclCommunicator(Communicator):
                 f"send {self.label}: the nccl backend sends arrays of up to {_MAX_NDIM} "
                 f"dimensions, got {array.ndim}"
             )
+        if dst == self.rank:
+            self._ready("send")
+            copy = self._cp.array(array, copy=True)  # on the caller's stream, as NCCL's would be
+            self._to_self.setdefault(int(tag), []).append(copy)
+            return
         head = np.zeros(_HEADER, np.int64)
         head[:3] = (tag, _dtype_index(np.dtype(array.dtype)), array.ndim)
         head[3 : 3 + array.ndim] = array.shape
@@ -378,9 +418,13 @@ class NcclCommunicator(Communicator):
                 f"recv {self.label}: the nccl backend receives from a named rank only "
                 "(NCCL has no any-source receive)"
             )
+        if src == self.rank:
+            return self._recv_from_self(tag), src
         header = self._cp.empty(_HEADER, dtype=self._cp.int64)
         hptr = _address(header)
-        done = self._queue("recv", lambda c, s: c.recv(hptr, _HEADER * 8, _lib.BYTES, src, s))
+        done = self._queue(
+            "recv", lambda c, s: c.recv(hptr, _HEADER * 8, _lib.BYTES, src, s), reuse=False
+        )
         self._host_wait("recv", done)
         head = self._cp.asnumpy(header)
         if int(head[0]) != tag:
@@ -394,6 +438,23 @@ class NcclCommunicator(Communicator):
         if nbytes:
             self._queue("recv", lambda c, s: c.recv(optr, nbytes, _lib.BYTES, src, s))
         return out, src
+
+    def _recv_from_self(self, tag: int) -> Any:
+        """The oldest message this rank sent itself with ``tag``.
+
+        Raises:
+            ProtocolError: none is waiting (it would never come: a rank's own sends precede
+                its receives), naming the tags that are.
+        """
+        self._ready("recv")
+        waiting = self._to_self.get(int(tag))
+        if not waiting:
+            tags = sorted(t for t, queued in self._to_self.items() if queued)
+            raise ProtocolError(
+                f"recv {self.label}: rank {self.global_ranks[self.rank]} receives from itself "
+                f"with tag {tag}, but it sent itself nothing with that tag (waiting: tags {tags})"
+            )
+        return waiting.pop(0)
 
     def permute(self, send: Any, dst: int | None, recv: Any, src: int | None) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (either may be None)."""

@@ -1,0 +1,140 @@
+"""The nccl backend against raw ``cupy.cuda.nccl`` at world 1, and host staging costs.
+
+Needs a GPU, cupy and NCCL (run it through the device tool; CI has none). Three tables:
+
+- **per call**: host microseconds per float32 all_reduce, N calls queued then one stream
+  synchronize, raw ``NcclCommunicator.allReduce`` on the current stream against
+  :class:`meshcomm.backends.nccl.NcclCommunicator` (which adds its stream, two events and
+  the watchdog). Rounds alternate raw / meshcomm; medians of the rounds.
+- **busbw**: the same at >= 1 MiB, as bandwidth (world 1: NCCL's in-place copy).
+- **staging**: one device-to-host plus one host-to-device copy of the array, pageable
+  (``cupy.asnumpy`` / ``cupy.asarray``, what tcp and mpi staging do today) against a
+  pinned host buffer (``cupy.cuda.alloc_pinned_memory``).
+
+Usage::
+
+    python bench/nccl_overhead.py [--rounds 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def _per_call(call: Callable[[], None], sync: Callable[[], None], iters: int) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    sync()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def main() -> None:
+    """Print the three tables (and write them as JSON if asked)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    from meshcomm.backends.nccl import NcclCommunicator
+    from meshcomm.reduction import ReduceOp
+    from meshcomm.store import HashStore
+
+    raw = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    ours = NcclCommunicator.create_world(0, 1, HashStore(), 60.0)
+    stream = cp.cuda.get_current_stream()
+    results: dict[str, Any] = {"nccl_version": nccl.get_version(), "rows": []}
+    print(f"NCCL {nccl.get_version()}, cupy {cp.__version__}, "
+          f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")  # fmt: skip
+    print(f"{'bytes':>10} {'place':>6} {'raw us':>9} {'ours us':>9} {'added us':>9}"
+          f" {'ours/raw':>9} {'raw GB/s':>9} {'ours GB/s':>9}")  # fmt: skip
+    cases = [(n, p) for n in (8, 1024, 1 << 20, 16 << 20, 64 << 20) for p in ("in", "out")]
+    for nbytes, place in cases:
+        x = cp.ones(nbytes // 4, dtype=cp.float32)
+        y = x if place == "in" else cp.empty_like(x)
+        src, dst, count = x.data.ptr, y.data.ptr, x.size
+        iters = 2000 if nbytes <= 1 << 20 else 50
+
+        def call_raw(src: int = src, dst: int = dst, count: int = count) -> None:
+            raw.allReduce(src, dst, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+
+        def call_ours(x: Any = x, y: Any = y) -> None:
+            if x is y:
+                ours.all_reduce(x, ReduceOp.SUM)
+            else:
+                ours.all_reduce_out(x, y, ReduceOp.SUM)
+
+        for call in (call_raw, call_ours):
+            _per_call(call, stream.synchronize, 20)
+        raws, mine = [], []
+        for _ in range(args.rounds):
+            raws.append(_per_call(call_raw, stream.synchronize, iters))
+            mine.append(_per_call(call_ours, stream.synchronize, iters))
+        r, m = statistics.median(raws), statistics.median(mine)
+        row = {"bytes": nbytes, "place": place, "raw_us": r, "ours_us": m, "added_us": m - r}
+        results["rows"].append(row)
+        print(f"{nbytes:>10} {place:>6} {r:>9.2f} {m:>9.2f} {m - r:>9.2f} {m / r:>9.3f}"
+              f" {nbytes / r / 1e3:>9.2f} {nbytes / m / 1e3:>9.2f}")  # fmt: skip
+
+    print("\nparts of a call, us each (1000 in a row)")
+    results["parts"] = {}
+    event = cp.cuda.Event(block=False, disable_timing=True)
+    other = cp.cuda.Stream(non_blocking=True)
+    parts: dict[str, Callable[[], Any]] = {
+        "get_current_stream": cp.cuda.get_current_stream,
+        "Event()": lambda: cp.cuda.Event(block=False, disable_timing=True),
+        "Event() timed": cp.cuda.Event,
+        "event.record": lambda: event.record(stream),
+        "stream.wait_event": lambda: other.wait_event(event),
+        "event.done": lambda: event.done,
+    }
+    for name, part in parts.items():
+        times = [_per_call(part, stream.synchronize, 1000) for _ in range(args.rounds)]
+        results["parts"][name] = statistics.median(times)
+        print(f"{name:>20} {statistics.median(times):8.2f}")
+
+    print("\nstaging: one device-to-host and one host-to-device copy")
+    print(f"{'bytes':>10} {'pageable us':>12} {'pinned us':>10} {'pinned/pageable':>16}")
+    results["staging"] = []
+    for nbytes in (8, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
+        x = cp.ones(nbytes // 4, dtype=cp.float32)
+        memory = cp.cuda.alloc_pinned_memory(nbytes)
+        pinned = np.frombuffer(memory, np.float32, x.size)
+        back = cp.empty_like(x)
+
+        def pageable(x: Any = x, back: Any = back) -> None:
+            back.set(cp.asnumpy(x))
+
+        def pinned_copy(x: Any = x, back: Any = back, pinned: Any = pinned) -> None:
+            x.get(out=pinned)
+            back.set(pinned)
+
+        iters = 200 if nbytes <= 1 << 20 else 10
+        for call in (pageable, pinned_copy):
+            _per_call(call, stream.synchronize, 3)
+        pages, pins = [], []
+        for _ in range(args.rounds):
+            pages.append(_per_call(pageable, stream.synchronize, iters))
+            pins.append(_per_call(pinned_copy, stream.synchronize, iters))
+        p, q = statistics.median(pages), statistics.median(pins)
+        results["staging"].append({"bytes": nbytes, "pageable_us": p, "pinned_us": q})
+        print(f"{nbytes:>10} {p:>12.1f} {q:>10.1f} {q / p:>16.3f}")
+    ours.close()
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
