@@ -87,6 +87,35 @@ def main() -> None:
         print(f"{nbytes:>10} {place:>6} {r:>9.2f} {m:>9.2f} {m - r:>9.2f} {m / r:>9.3f}"
               f" {nbytes / r / 1e3:>9.2f} {nbytes / m / 1e3:>9.2f}")  # fmt: skip
 
+    print("\nthrough a group, world 1, 8 B float32 all_reduce: us per call")
+    import meshcomm
+
+    group = meshcomm.init(backend="cpu:tcp,cuda:nccl", world_size=1, rank=0)
+    x8, out8 = cp.ones(2, dtype=cp.float32), cp.empty(2, dtype=cp.float32)
+    host8 = np.ones(2, np.float32)
+    src8, dst8 = x8.data.ptr, out8.data.ptr
+
+    def raw_out() -> None:
+        raw.allReduce(src8, dst8, 2, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+
+    def staged() -> None:
+        cp.asarray(group.all_reduce(cp.asnumpy(x8)))
+
+    paths: dict[str, Callable[[], Any]] = {
+        "raw nccl, out of place": raw_out,
+        "group.all_reduce(cupy)": lambda: group.all_reduce(x8),
+        "group.all_reduce(numpy)": lambda: group.all_reduce(host8),
+        "staged by hand": staged,
+    }
+    results["group"] = {}
+    for path in paths.values():
+        _per_call(path, stream.synchronize, 50)
+    for name, path in paths.items():
+        times = [_per_call(path, stream.synchronize, 500) for _ in range(args.rounds)]
+        results["group"][name] = statistics.median(times)
+        print(f"{name:>26} {statistics.median(times):8.2f}")
+    meshcomm.shutdown()
+
     print("\nparts of a call, us each (1000 in a row)")
     results["parts"] = {}
     event = cp.cuda.Event(block=False, disable_timing=True)

@@ -134,11 +134,17 @@ class Issuer:
         return call
 
     def issue(
-        self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
+        self,
+        op: str,
+        lowered: _lower.Lowered,
+        async_op: bool,
+        device: ModuleType | None = None,
+        on_device: bool | None = None,
     ) -> Any:
         """Run a lowered call in the group's order (after a fingerprint check in debug mode).
 
         ``device``: the array module (cupy) the input came from; the result goes back to it.
+        ``on_device``: the input lives on a GPU (default: ``device`` is given).
         """
         body, fields = lowered
         if device is not None:
@@ -149,10 +155,14 @@ class Issuer:
 
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self.engine.submit(body, f"{op} on {self._where}", bool(async_op))
-        # Ranks off the root may pass None to broadcast and scatter, so where each rank's
-        # result lives is its own choice there: those two compare no location (read as
-        # the host's, as their planned calls do).
-        on_device = device is not None and op not in _LOCATION_FREE
+        if on_device is None:
+            on_device = device is not None
+        if self._group._device is None and op in _LOCATION_FREE:
+            # Through host memory, ranks off the root may pass None to broadcast and
+            # scatter, and where each result lives is each rank's own choice: no location
+            # is compared (read as the host's, as the planned calls do). A group with a
+            # device backend compares it: a device call runs on another communicator.
+            on_device = False
         self.seq = seq = self.seq + 1
         label = f"{op} (op #{seq}) on {self._where}"
         group = self._group
@@ -169,7 +179,7 @@ class Issuer:
             body = _call_checks.traced(recorder, body, group.name, op, seq, fields)
         book = self.book
         lowered_fields = fields
-        if device is not None:
+        if on_device:
             fields = {**fields, "device": True}  # for the ledger
         entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
         if self._stamper is not None:
@@ -196,6 +206,21 @@ class Issuer:
             # Its own timeout, raised on the engine's thread, gets the verdict in wait().
             result._judge = lambda exc: _call_checks.judged(group, exc, op, seq, entry)
         return result
+
+    def issue_on_device(self, op: str, lowered: _lower.Lowered, async_op: bool) -> Any:
+        """Run a call lowered by :mod:`meshcomm._device_lower` on the caller's thread.
+
+        Its body only queues device work, ordered on the caller's current CUDA stream, so
+        it runs at once even when ``async_op`` (on the engine's thread the current stream
+        would be another); the Work returned then is complete, its result safe to use on
+        the caller's stream (torch's ``wait_tensor`` contract).
+        """
+        result = self.issue(op, lowered, False, on_device=True)
+        if not async_op:
+            return result
+        work: Work[Any] = Work(f"{op} on {self._where}")
+        work._finish(lambda: result)
+        return work
 
     # -- planned calls -------------------------------------------------------------------
     def plan(

@@ -58,6 +58,7 @@ __all__ = [
     "COMPOSED",
     "Call",
     "Lowered",
+    "agree",
     "all_gather",
     "all_reduce",
     "axis_arg",
@@ -67,7 +68,9 @@ __all__ = [
     "gather",
     "input_array",
     "int64_arg",
+    "perm_pairs",
     "permute",
+    "rank_arg",
     "reduce_op",
     "reduce_op_and_factor",
     "recv",
@@ -239,7 +242,7 @@ def _spec(c: Call, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     return normalize_shape(shape, c.where), check_dtype(dtype, c.where)
 
 
-def _agree(c: Call, arr_shape: tuple[int, ...], dt: np.dtype, shape: Any, dtype: Any) -> None:
+def agree(c: Call, arr_shape: tuple[int, ...], dt: np.dtype, shape: Any, dtype: Any) -> None:
     if shape is not None and normalize_shape(shape, c.where) != arr_shape:
         raise InvalidArgument(f"{c.where}: shape={shape!r} disagrees with the array's {arr_shape}")
     if dtype is not None and check_dtype(dtype, c.where) != dt:
@@ -288,7 +291,7 @@ def _send_side(
     return base, send
 
 
-def _perm(c: Call, perm: Any) -> tuple[tuple[int, int], ...]:
+def perm_pairs(c: Call, perm: Any) -> tuple[tuple[int, int], ...]:
     try:
         pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
     except (TypeError, ValueError):
@@ -434,7 +437,7 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
     send: np.ndarray | None = None
     if x is not None:
         arr, dt = input_array(c, x)
-        _agree(c, arr.shape, dt, shape, dtype)
+        agree(c, arr.shape, dt, shape, dtype)
         out_shape = arr.shape
         if r == c.rank:
             if not snapshot and arr.flags.c_contiguous and arr.dtype == dt:
@@ -517,7 +520,7 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool =
                 f"{c.where}: x must have shape (group size {c.size}, ...), got {arr.shape}"
             )
         block = arr.shape[1:]
-        _agree(c, block, dt, shape, dtype)
+        agree(c, block, dt, shape, dtype)
         if r == c.rank:
             base, send = _send_side(c, arr, dt, snapshot)
     elif r == c.rank:
@@ -536,7 +539,7 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool =
 
 
 def permute(c: Call, x: Any, perm: Any, snapshot: bool = True) -> Lowered:
-    pairs = _perm(c, perm)
+    pairs = perm_pairs(c, perm)
     arr, dt = input_array(c, x)
     dst = next((d for s, d in pairs if s == c.rank), None)
     src = next((s for s, d in pairs if d == c.rank), None)

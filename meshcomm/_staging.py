@@ -24,11 +24,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_device", "to_host"]
+__all__ = ["family", "to_device", "to_host"]
 
 
-def _family(x: Any) -> ModuleType | None:
-    """The array module of a device array (``cupy``), or None for anything else."""
+def family(x: Any) -> ModuleType | None:
+    """The array module of a device array (``cupy``), or None for anything else.
+
+    Example:
+        >>> family(np.zeros(2)) is None
+        True
+    """
     if type(x).__module__.partition(".")[0] != "cupy":
         return None
     return sys.modules.get("cupy")
@@ -46,7 +51,7 @@ def to_host(x: Any) -> tuple[Any, ModuleType | None]:
     """
     if type(x) is np.ndarray:  # the hot path
         return x, None
-    xp = _family(x)
+    xp = family(x)
     if xp is None:
         return x, None
     return xp.asnumpy(x), xp

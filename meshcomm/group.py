@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _fingerprint, _lower, _plans, _staging
+from meshcomm import _device_lower, _fingerprint, _lower, _plans, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm._issuing import Issuer
 from meshcomm._subgroups import SubGroups
@@ -121,9 +121,13 @@ class ProcessGroup(SubGroups):
         name: str = "world",
         *,
         debug: bool | None = None,
+        device: Communicator | None = None,
         _parent: ProcessGroup | None = None,
     ) -> None:
         self._comm = comm
+        # Device arrays go to this communicator (nccl) when there is one, else through
+        # host memory over ``comm``.
+        self._device = device
         self.store = store
         self.name = name
         comm.describe_as(f"on group {name!r}")
@@ -152,6 +156,7 @@ class ProcessGroup(SubGroups):
         self._issue = issuer.issue
         self._plan = issuer.plan
         self._run_plan = issuer.run_plan
+        self._issue_on_device = issuer.issue_on_device
         self._children = 0
         # Closing a group closes the groups made from it before its communicator (they may
         # share its resources: the MPI world, the tcp store).
@@ -178,8 +183,10 @@ class ProcessGroup(SubGroups):
 
     @property
     def backend(self) -> str:
-        """The communicator's backend name: "tcp", "mpi", "nccl" or "self"."""
-        return self._comm.backend_name
+        """The backend: "tcp", "mpi" or "self", or ``"cpu:tcp,cuda:nccl"`` where device
+        arrays go over a device backend of their own."""
+        host = self._comm.backend_name
+        return host if self._device is None else f"cpu:{host},cuda:{self._device.backend_name}"
 
     @property
     def timeout(self) -> float:
@@ -310,6 +317,10 @@ class ProcessGroup(SubGroups):
             plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
             return self._run_plan(plan, x, async_op)
         c = self._enter("all_reduce")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.all_reduce(c, d, xp, x, op, factor)
+            return self._issue_on_device("all_reduce", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
         return self._issue("all_reduce", lowered, async_op, dev)
@@ -352,6 +363,10 @@ class ProcessGroup(SubGroups):
             )
             return self._run_plan(plan, x, async_op)
         c = self._enter("all_gather")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.all_gather(c, d, xp, x, axis, tiled)
+            return self._issue_on_device("all_gather", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
         return self._issue("all_gather", lowered, async_op, dev)
@@ -402,6 +417,10 @@ class ProcessGroup(SubGroups):
             )
             return self._run_plan(plan, x, async_op)
         c = self._enter("reduce_scatter")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.reduce_scatter(c, d, xp, x, op, axis, tiled, factor)
+            return self._issue_on_device("reduce_scatter", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
         return self._issue("reduce_scatter", lowered, async_op, dev)
@@ -454,6 +473,10 @@ class ProcessGroup(SubGroups):
             )
             return self._run_plan(plan, x, async_op)
         c = self._enter("all_to_all")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.all_to_all(c, d, xp, x, split_axis, concat_axis, tiled)
+            return self._issue_on_device("all_to_all", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
         return self._issue("all_to_all", lowered, async_op, dev)
@@ -494,6 +517,10 @@ class ProcessGroup(SubGroups):
             plan = self._plan(("broadcast", x.dtype, x.shape, root), _plans.plan_broadcast, x, root)
             return self._run_plan(plan, x, async_op)
         c = self._enter("broadcast")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.broadcast(c, d, xp, x, root, shape, dtype)
+            return self._issue_on_device("broadcast", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
         return self._issue("broadcast", lowered, async_op, dev)
@@ -530,6 +557,10 @@ class ProcessGroup(SubGroups):
             array([3, 1])
         """
         c = self._enter("reduce")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.reduce(c, d, xp, x, root, op, factor)
+            return self._issue_on_device("reduce", on_device, async_op)
         x, dev = _staging.to_host(x)
         return self._issue("reduce", _lower.reduce(c, x, root, op, factor), async_op, dev)
 
@@ -555,6 +586,10 @@ class ProcessGroup(SubGroups):
             array([[0, 1]])
         """
         c = self._enter("gather")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.gather(c, d, xp, x, root)
+            return self._issue_on_device("gather", on_device, async_op)
         x, dev = _staging.to_host(x)
         return self._issue("gather", _lower.gather(c, x, root, bool(async_op)), async_op, dev)
 
@@ -592,6 +627,10 @@ class ProcessGroup(SubGroups):
             array([1, 2])
         """
         c = self._enter("scatter")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.scatter(c, d, xp, x, root, shape, dtype)
+            return self._issue_on_device("scatter", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.scatter(c, x, root, shape, dtype, snapshot=bool(async_op))
         return self._issue("scatter", lowered, async_op, dev)
@@ -620,6 +659,10 @@ class ProcessGroup(SubGroups):
             (array([1, 2]), array([0, 0]))
         """
         c = self._enter("permute")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            on_device = _device_lower.permute(c, d, xp, x, perm)
+            return self._issue_on_device("permute", on_device, async_op)
         x, dev = _staging.to_host(x)
         return self._issue("permute", _lower.permute(c, x, perm, bool(async_op)), async_op, dev)
 
@@ -694,7 +737,10 @@ class ProcessGroup(SubGroups):
         return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
 
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
-        return ProcessGroup(comm, store=self.store, name=name, _parent=self)
+        device = None
+        if self._device is not None:  # the same members, as ranks of this group
+            device = self._device.sub([self.ranks.index(r) for r in comm.global_ranks])
+        return ProcessGroup(comm, store=self.store, name=name, device=device, _parent=self)
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
@@ -716,6 +762,8 @@ class ProcessGroup(SubGroups):
         self._issuer.close(f"the group {self.name!r} was closed", self.timeout)
         for kid in list(self._kids):
             kid.close()
+        if self._device is not None:
+            self._device.close()
         self._comm.close()
 
     def __enter__(self) -> ProcessGroup:

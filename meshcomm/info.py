@@ -155,14 +155,7 @@ def _nccl() -> dict[str, Any]:
     except Exception as exc:
         out["reason"] = f"cupy is installed but NCCL is not usable: {type(exc).__name__}: {exc}"
         return out
-    # The communicator exists, but groups do not dispatch device arrays to it yet: a user
-    # who sees "available" would expect meshcomm.init(backend="nccl") to work.
-    out["available"] = False
-    out["reason"] = (
-        f"cupy {out['cupy']} and NCCL {out['nccl']} found; meshcomm's NCCL communicator "
-        "exists but process groups do not use it yet (docs/backends/nccl.md): cupy arrays "
-        "go through host memory on tcp and mpi"
-    )
+    out["available"] = True
     return out
 
 
@@ -303,7 +296,10 @@ def _backend_line(name: str, b: dict[str, Any]) -> str:
             parts.append(f"MPI not queried: {b['error']}")
         return "yes: " + ", ".join(parts)
     if name == "nccl":
-        return f"yes: cupy {b.get('cupy')}, NCCL {b.get('nccl')}"
+        return (
+            f"yes: cupy {b.get('cupy')}, NCCL {b.get('nccl')} (device arrays, with "
+            "init(backend='cpu:tcp,cuda:nccl'))"
+        )
     return "yes"
 
 

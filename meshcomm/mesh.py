@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshcomm._backend_spec import matches
 from meshcomm._mesh_groups import MeshGroups
 from meshcomm._timeout import Timeout
 from meshcomm.errors import InvalidArgument
@@ -672,7 +673,7 @@ def init_device_mesh(
     if world.is_initialized():
         group = world.get_world()
         # A world of one runs on "self" whatever backend was asked for.
-        if backend is not None and group.backend not in (backend, "self"):
+        if backend is not None and not matches(backend, group.backend):
             raise InvalidArgument(
                 f"init_device_mesh(backend={backend!r}) but the world runs on "
                 f"{group.backend!r}; omit backend= or shut the world down first"

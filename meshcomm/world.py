@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from meshcomm._backend_spec import canonical, parse_backend
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS, create_world_communicator
 from meshcomm.backends.base import Communicator
@@ -238,16 +239,19 @@ def choose_backend(
         return "mpi" if implied else DEFAULT_BACKEND
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__} {name!r}")
-    if name not in BACKENDS:
-        raise InvalidArgument(
-            f"unknown backend {name!r} ({source}); known backends: {', '.join(BACKENDS)}"
-        )
-    return name
+    if name in BACKENDS and name != "nccl":
+        return name
+    try:
+        return canonical(name)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{exc} ({source})") from None
 
 
-def _make_group(backend: str, rdzv: Rendezvous) -> ProcessGroup:
+def _make_group(spec: str, rdzv: Rendezvous) -> ProcessGroup:
     from meshcomm.group import ProcessGroup
 
+    backend, device_backend = parse_backend(spec)
+    device = None if device_backend is None else _device_world(rdzv)
     try:
         comm = create_world_communicator(
             backend, rdzv.rank, rdzv.world_size, rdzv.store, rdzv.timeout
@@ -257,7 +261,45 @@ def _make_group(backend: str, rdzv: Rendezvous) -> ProcessGroup:
         if backend != "tcp" or not (exc.name or "").startswith("meshcomm.backends.tcp"):
             raise
         comm = _UnavailableCommunicator(rdzv.rank, rdzv.world_size, rdzv.timeout, exc)
-    return ProcessGroup(comm, store=rdzv.store, name="world")
+    return ProcessGroup(comm, store=rdzv.store, name="world", device=device)
+
+
+def _device_world(rdzv: Rendezvous) -> Communicator:
+    """The world's nccl communicator (NCCL itself starts on the first device call), on the
+    GPU of this rank's local rank.
+
+    Raises:
+        ImportError: cupy or NCCL is missing (the message names the extra to install).
+        InvalidArgument: no GPU, or no store to carry NCCL's unique id (the mpi backend).
+    """
+    from meshcomm.backends.nccl import NcclCommunicator, load
+
+    cupy, _ = load()
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # cupy's CUDA errors: no driver, no device
+        count, why = 0, f" ({type(exc).__name__}: {exc})"
+    else:
+        why = ""
+    if count < 1:
+        raise InvalidArgument(
+            f"rank {rdzv.rank}: backend 'cuda:nccl' needs a CUDA GPU, and cupy sees none{why}; "
+            "use backend='tcp' (cupy arrays then go through host memory)"
+        )
+    store = rdzv.store
+    if store is None:
+        if rdzv.world_size > 1:
+            raise InvalidArgument(
+                f"rank {rdzv.rank}: backend 'cuda:nccl' passes NCCL's unique id through the "
+                "job's store, and this world has none (the mpi backend's world); use "
+                "'cpu:tcp,cuda:nccl'"
+            )
+        from meshcomm.store import HashStore
+
+        store = HashStore()
+    if rdzv.local_rank is not None and count > 1:
+        cupy.cuda.Device(rdzv.local_rank % count).use()  # one GPU per local rank
+    return NcclCommunicator.create_world(rdzv.rank, rdzv.world_size, store, rdzv.timeout)
 
 
 class _UnavailableCommunicator(Communicator):

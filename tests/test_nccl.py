@@ -101,12 +101,12 @@ def test_without_cupy_the_error_names_the_extra_to_install() -> None:
         NcclCommunicator.create_world(0, 1, HashStore(), 5.0)
 
 
-def test_a_nccl_world_says_groups_do_not_use_it_yet() -> None:
+def test_a_host_world_of_nccl_says_it_pairs_with_tcp() -> None:
     from meshcomm.backends import create_world_communicator
     from meshcomm.errors import InvalidArgument
     from meshcomm.store import HashStore
 
-    with pytest.raises(InvalidArgument, match="process groups do not hand it device arrays yet"):
+    with pytest.raises(InvalidArgument, match=r"only: meshcomm.init\(backend='nccl'\)"):
         create_world_communicator("nccl", 0, 2, HashStore(), 5.0)
 
 

@@ -53,8 +53,9 @@ def create_world_communicator(
         return TcpCommunicator.create_world(rank, size, store, timeout, secret=secret)
     if backend == "nccl":
         raise InvalidArgument(
-            "backend 'nccl': the NCCL communicator exists (meshcomm.backends.nccl, see "
-            "docs/backends/nccl.md) but process groups do not hand it device arrays yet; use "
-            "'tcp' or 'mpi', which take cupy arrays and CUDA tensors through host memory"
+            "backend 'nccl' moves device arrays only: meshcomm.init(backend='nccl') (or "
+            "'cpu:tcp,cuda:nccl') pairs it with tcp for host arrays, and each group sends "
+            "cupy arrays and CUDA tensors over NCCL; this function makes the host "
+            "communicator (tcp, mpi or self)"
         )
     raise InvalidArgument(f"backend {backend!r} is not available in this build of meshcomm")

@@ -3,8 +3,8 @@
 torch names backends ``gloo``, ``nccl``, ``mpi`` (and ``cpu:gloo,cuda:nccl`` style strings
 that pick one per device type). meshcomm runs ``tcp`` (pure Python, the CPU backend),
 ``mpi`` and ``nccl``. ``gloo`` is an alias of ``tcp`` so torch scripts run unchanged. A
-meshcomm group has one communicator, so a per-device string runs on the backend of its CPU
-entry (CUDA tensors are staged through host memory), or on its only entry.
+``nccl`` entry runs CUDA tensors over NCCL where cupy sees a GPU (host tensors over tcp);
+without one, CUDA tensors are staged through host memory over the CPU entry's backend.
 
 Example:
     >>> Backend("GLOO"), Backend.NCCL
@@ -110,17 +110,36 @@ def parse_backend_string(backend: str) -> dict[str, str]:
 def meshcomm_backend(backend: str | None) -> str:
     """Return the meshcomm backend that runs the torch backend string ``backend``.
 
-    None means meshcomm's default (``tcp``).
+    None means meshcomm's default (``tcp``). A ``nccl`` entry (``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``) gives the pair ``"cpu:tcp,cuda:nccl"`` where cupy sees a GPU
+    with NCCL, so CUDA tensors go over NCCL; elsewhere CUDA tensors are staged through host
+    memory over the CPU entry's backend (``tcp`` if none), as torch scripts written for GPUs
+    still run on a laptop.
 
     Example:
-        >>> meshcomm_backend("gloo"), meshcomm_backend(None), meshcomm_backend("cuda:nccl")
-        ('tcp', 'tcp', 'nccl')
+        >>> meshcomm_backend("gloo"), meshcomm_backend(None), meshcomm_backend("mpi")
+        ('tcp', 'tcp', 'mpi')
     """
     if backend is None:
         return "tcp"
     pairs = parse_backend_string(backend)
-    name = pairs.get("cpu") or next(iter(pairs.values()))
-    return _TO_MESHCOMM[name]
+    host = _TO_MESHCOMM[pairs.get("cpu", "gloo")]
+    if pairs.get("cuda") == "nccl" and host == "tcp" and _nccl_usable():
+        return "cpu:tcp,cuda:nccl"
+    return host if "cpu" in pairs or pairs.get("cuda") == "nccl" else _TO_MESHCOMM[pairs["cuda"]]
+
+
+def _nccl_usable() -> bool:
+    """cupy imports, sees a GPU, and has NCCL (imports cupy: only asked for nccl)."""
+    if not _module_exists("cupy"):
+        return False
+    try:
+        from meshcomm.backends.nccl import load
+
+        cupy, _ = load()
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # no driver, no device, no NCCL: staged over tcp instead
+        return False
 
 
 def get_default_backend_for_device(device: Any) -> str:

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshcomm import world
+from meshcomm._backend_spec import matches
 from meshcomm.distributed._backend import meshcomm_backend
 from meshcomm.distributed._errors import public
 from meshcomm.distributed._pg import ProcessGroup
@@ -277,7 +278,7 @@ def _adopt(backend: str, size: int | None, rank: int | None) -> MeshGroup:
         problems.append(f"world_size={size} but the world has {mesh.size} ranks")
     if rank is not None and rank != mesh.rank:
         problems.append(f"rank={rank} but this process is rank {mesh.rank}")
-    if mesh.backend not in (backend, "self"):
+    if not matches(backend, mesh.backend):
         problems.append(f"backend {backend!r} but the world runs on {mesh.backend!r}")
     if problems:
         raise ValueError(

@@ -162,6 +162,10 @@ class NcclCommunicator(Communicator):
         """A CUDA event without timing (cheaper to record and query than a timed one)."""
         return self._cp.cuda.Event(block=False, disable_timing=True)
 
+    def check_reduction(self, dtype: np.dtype, op: ReduceOp, what: str) -> None:
+        """Raise ``TypeError`` (naming ``what``) unless NCCL reduces ``dtype`` with ``op``."""
+        self._reduction(dtype, op, what)
+
     def _reduction(self, dtype: Any, op: ReduceOp, what: str) -> tuple[int, int, int]:
         key = (dtype, op, what)
         codes = self._codes.get(key)

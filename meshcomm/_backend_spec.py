@@ -1,0 +1,86 @@
+"""Backend names as ``init`` takes them: one backend, or torch's ``device:backend`` pairs.
+
+``"tcp"``, ``"mpi"`` and ``"self"`` name the host backend alone: device (cupy) arrays go
+through host memory over it. ``"cpu:tcp,cuda:nccl"`` (torch's spelling, in either order)
+names a host backend and a device backend: every group dispatches by where the array
+lives. ``"nccl"`` alone means ``"cpu:tcp,cuda:nccl"``: host arrays still work, over tcp.
+
+Example:
+    >>> parse_backend("cuda:nccl,cpu:tcp")
+    ('tcp', 'nccl')
+    >>> parse_backend("nccl"), parse_backend("mpi")
+    (('tcp', 'nccl'), ('mpi', None))
+"""
+
+from __future__ import annotations
+
+from meshcomm.errors import InvalidArgument
+
+__all__ = ["DEVICE_BACKENDS", "HOST_BACKENDS", "canonical", "matches", "parse_backend"]
+
+#: Backends that move host (numpy) arrays.
+HOST_BACKENDS = ("tcp", "mpi", "self")
+#: Backends that move device (cupy / CUDA) arrays.
+DEVICE_BACKENDS = ("nccl",)
+
+
+def parse_backend(spec: str) -> tuple[str, str | None]:
+    """``(host backend, device backend or None)`` of a backend name or pair list.
+
+    Raises:
+        InvalidArgument: an unknown name, device or pairing, said with what is known.
+    """
+    text = spec.strip().lower()
+    if ":" not in text:
+        if text in DEVICE_BACKENDS:
+            return "tcp", text
+        if text in HOST_BACKENDS:
+            return text, None
+        raise InvalidArgument(_unknown(spec))
+    pairs: dict[str, str] = {}
+    for part in text.split(","):
+        device, _, name = (p.strip() for p in part.partition(":"))
+        if device not in ("cpu", "cuda") or device in pairs:
+            raise InvalidArgument(
+                f"backend {spec!r}: each part is 'cpu:<{'|'.join(HOST_BACKENDS)}>' or "
+                f"'cuda:<{'|'.join(DEVICE_BACKENDS)}>', once each (got {part.strip()!r})"
+            )
+        known = HOST_BACKENDS if device == "cpu" else DEVICE_BACKENDS
+        if name not in known:
+            raise InvalidArgument(
+                f"backend {spec!r}: {device} arrays go over one of {', '.join(known)}, not {name!r}"
+            )
+        pairs[device] = name
+    return pairs.get("cpu", "tcp"), pairs.get("cuda")
+
+
+def canonical(spec: str) -> str:
+    """The name ``group.backend`` reports: the host backend alone, or the pair list.
+
+    Example:
+        >>> canonical("nccl"), canonical("tcp")
+        ('cpu:tcp,cuda:nccl', 'tcp')
+    """
+    host, device = parse_backend(spec)
+    return host if device is None else f"cpu:{host},cuda:{device}"
+
+
+def matches(asked: str, running: str) -> bool:
+    """Whether a world running ``running`` (a ``group.backend``) is what ``asked`` names.
+
+    A world of one runs its host arrays on "self" whatever host backend was asked for.
+
+    Example:
+        >>> matches("nccl", "cpu:self,cuda:nccl"), matches("tcp", "cpu:tcp,cuda:nccl")
+        (True, False)
+    """
+    host, device = parse_backend(asked)
+    running_host, running_device = parse_backend(running)
+    return device == running_device and running_host in (host, "self")
+
+
+def _unknown(spec: str) -> str:
+    names = ", ".join((*HOST_BACKENDS, *DEVICE_BACKENDS))
+    return (
+        f"unknown backend {spec!r}; known backends: {names}, or pairs such as 'cpu:tcp,cuda:nccl'"
+    )

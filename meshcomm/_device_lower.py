@@ -1,0 +1,281 @@
+"""How each collective lowers onto a device communicator, for arrays that stay on the GPU.
+
+The twin of :mod:`meshcomm._lower` for a group with a device backend (nccl): the input is
+a device array (cupy), the result is a new array of the same module on the same device,
+and the communicator (:class:`~meshcomm.backends.nccl.NcclCommunicator`) takes device
+buffers. The argument checks are :mod:`._lower`'s, so every error is raised before any
+I/O, with the same words. Layout work (rank-major blocks, unstacking) is done with the
+array's own module (``xp``), so nothing here names cupy: the same functions run on numpy
+arrays over a host communicator, which is how CI tests their layouts at every world size.
+
+Each function returns ``(body, fingerprint)`` as :mod:`._lower` does. The body only
+queues work on the device (the nccl communicator orders it after the caller's current
+stream and the caller's stream after it), so it returns at once; the group runs it on the
+caller's thread.
+
+Example:
+    >>> import numpy as np
+    >>> from meshcomm.backends.local import SelfCommunicator
+    >>> from meshcomm._arrays import ScratchPool
+    >>> from meshcomm._lower import Call
+    >>> comm = SelfCommunicator()
+    >>> call = Call(comm, ScratchPool(), "all_gather: rank 0")
+    >>> body, _ = all_gather(call, comm, np, np.arange(3.0), axis=1, tiled=False)
+    >>> body()
+    array([[0.],
+           [1.],
+           [2.]])
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from meshcomm._arrays import check_dtype
+from meshcomm._lower import (
+    COMPOSED,
+    Call,
+    Lowered,
+    agree,
+    axis_arg,
+    perm_pairs,
+    rank_arg,
+    reduce_op_and_factor,
+    split_blocks,
+)
+from meshcomm.backends.base import Communicator
+from meshcomm.errors import InvalidArgument
+from meshcomm.reduction import ReduceOp
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
+
+
+def _check_reduction(dev: Communicator, dt: np.dtype, op: ReduceOp, what: str) -> None:
+    check = getattr(dev, "check_reduction", None)
+    if check is not None:
+        check(dt, op, what)
+
+
+def _flat(xp: ModuleType, x: Any) -> Any:
+    """``x`` as a flat C-contiguous array (itself where it already is one)."""
+    return xp.ascontiguousarray(x).reshape(-1)
+
+
+def _rank_major(xp: ModuleType, x: Any, axis: int, size: int, tiled: bool) -> Any:
+    """A C-contiguous copy of ``x``'s ``size`` rank blocks along ``axis``, block 0 first."""
+    if tiled:
+        chunk = x.shape[axis] // size if size else 0
+        x = x.reshape((*x.shape[:axis], size, chunk, *x.shape[axis + 1 :]))
+    return xp.ascontiguousarray(xp.moveaxis(x, axis, 0) if axis else x)
+
+
+def _unstacked(
+    xp: ModuleType, blocks: Any, block: tuple[int, ...], axis: int, size: int, tiled: bool
+) -> Any:
+    """``size`` rank-major blocks stacked (a new axis) or concatenated at ``axis``."""
+    moved = blocks.reshape((size, *block))
+    if axis:
+        moved = xp.ascontiguousarray(xp.moveaxis(moved, 0, axis))
+    if tiled:
+        return moved.reshape((*block[:axis], size * block[axis], *block[axis + 1 :]))
+    return moved
+
+
+def _scale(xp: ModuleType, x: Any, factor: Any) -> Any:
+    return xp.multiply(x, xp.asarray(factor, dtype=x.dtype))
+
+
+def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: Any) -> Lowered:
+    """Lower ``all_reduce`` of a device array: reduced into a new array (out of place)."""
+    dt = check_dtype(x.dtype, c.where)
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    _check_reduction(dev, dt, prim, c.where)
+    send = _flat(xp, x if f is None else _scale(xp, x, f))
+    out = xp.empty(x.shape, dtype=x.dtype)
+    size = c.size
+
+    def body() -> Any:
+        dev.all_reduce_out(send, out.reshape(-1), prim)
+        if rop is ReduceOp.AVG:
+            xp.true_divide(out, size, out=out)
+        return out
+
+    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+
+
+def all_gather(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, axis: Any, tiled: bool
+) -> Lowered:
+    """Lower ``all_gather`` of a device array."""
+    dt = check_dtype(x.dtype, c.where)
+    shape = tuple(x.shape)
+    if tiled and not shape:
+        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
+    ax = axis_arg(c.where, axis, len(shape) if tiled else len(shape) + 1, "axis")
+    send = _flat(xp, x)
+    size = c.size
+    recv = xp.empty(size * send.size, dtype=x.dtype)
+
+    def body() -> Any:
+        dev.all_gather(send, recv)
+        return _unstacked(xp, recv, shape, ax, size, bool(tiled))
+
+    return body, {"dtype": dt, "shape": shape, "axis": ax, "tiled": bool(tiled)}
+
+
+def reduce_scatter(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, axis: Any, tiled: bool, factor: Any
+) -> Lowered:
+    """Lower ``reduce_scatter`` of a device array: this rank's block of the reduction."""
+    dt = check_dtype(x.dtype, c.where)
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    _check_reduction(dev, dt, prim, c.where)
+    ax, block = split_blocks(c, x, axis, tiled, "axis")
+    size = c.size
+    send = _rank_major(xp, x if f is None else _scale(xp, x, f), ax, size, tiled).reshape(-1)
+    recv = xp.empty(block, dtype=x.dtype)
+
+    def body() -> Any:
+        dev.reduce_scatter(send, recv.reshape(-1), prim)
+        if rop is ReduceOp.AVG:
+            xp.true_divide(recv, size, out=recv)
+        return recv
+
+    fp = {"dtype": dt, "shape": tuple(x.shape), "reduce": rop, "axis": ax, "tiled": bool(tiled)}
+    return body, fp
+
+
+def all_to_all(
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    split_axis: Any,
+    concat_axis: Any,
+    tiled: bool,
+) -> Lowered:
+    """Lower ``all_to_all`` of a device array."""
+    dt = check_dtype(x.dtype, c.where)
+    split, block = split_blocks(c, x, split_axis, tiled, "split_axis")
+    concat = axis_arg(c.where, concat_axis, x.ndim, "concat_axis")
+    size = c.size
+    send = _rank_major(xp, x, split, size, tiled).reshape(-1)
+    recv = xp.empty(send.size, dtype=x.dtype)
+
+    def body() -> Any:
+        dev.all_to_all(send, recv)
+        return _unstacked(xp, recv, block, concat, size, bool(tiled))
+
+    shape = tuple(x.shape)
+    fp = {"dtype": dt, "shape": shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
+    return body, fp
+
+
+def broadcast(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, shape: Any, dtype: Any
+) -> Lowered:
+    """Lower ``broadcast`` of a device array (every rank passes one: its shape and dtype
+    say what arrives; the root's contents are sent)."""
+    r = rank_arg(c, root, "root")
+    dt = check_dtype(x.dtype, c.where)
+    agree(c, tuple(x.shape), dt, shape, dtype)
+    buf = xp.array(x, copy=True, order="C") if r == c.rank else xp.empty(x.shape, x.dtype)
+
+    def body() -> Any:
+        dev.broadcast(buf.reshape(-1), r)
+        return buf
+
+    return body, {"dtype": dt, "shape": tuple(x.shape), "root": r}
+
+
+def reduce(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, op: Any, factor: Any
+) -> Lowered:
+    """Lower ``reduce`` of a device array: the reduction on root, None elsewhere."""
+    r = rank_arg(c, root, "root")
+    dt = check_dtype(x.dtype, c.where)
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    _check_reduction(dev, dt, prim, c.where)
+    buf = xp.array(x, copy=True, order="C") if f is None else _scale(xp, x, f)
+    buf = xp.ascontiguousarray(buf)
+    is_root, size = r == c.rank, c.size
+
+    def body() -> Any:
+        dev.reduce(buf.reshape(-1), r, prim)
+        if not is_root:
+            return None
+        if rop is ReduceOp.AVG:
+            xp.true_divide(buf, size, out=buf)
+        return buf
+
+    return body, {"dtype": dt, "shape": tuple(x.shape), "root": r, "reduce": rop}
+
+
+def gather(c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any) -> Lowered:
+    """Lower ``gather`` of a device array: every rank's array stacked on root."""
+    r = rank_arg(c, root, "root")
+    dt = check_dtype(x.dtype, c.where)
+    send = _flat(xp, x)
+    shape = tuple(x.shape)
+    recv = xp.empty((c.size, *shape), dtype=x.dtype) if r == c.rank else None
+
+    def body() -> Any:
+        dev.gather(send, None if recv is None else recv.reshape(-1), r)
+        return recv
+
+    return body, {"dtype": dt, "shape": shape, "root": r}
+
+
+def scatter(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, shape: Any, dtype: Any
+) -> Lowered:
+    """Lower ``scatter`` of a device array: root's block ``r`` to rank ``r`` (every rank
+    passes an array of shape ``(size, *block)``; off the root only its shape counts)."""
+    r = rank_arg(c, root, "root")
+    dt = check_dtype(x.dtype, c.where)
+    if x.ndim == 0 or x.shape[0] != c.size:
+        raise InvalidArgument(
+            f"{c.where}: x must have shape (group size {c.size}, ...), got {tuple(x.shape)}"
+        )
+    block = tuple(x.shape[1:])
+    agree(c, block, dt, shape, dtype)
+    send = _flat(xp, x) if r == c.rank else None
+    recv = xp.empty(block, dtype=x.dtype)
+
+    def body() -> Any:
+        dev.scatter(send, recv.reshape(-1), r)
+        return recv
+
+    return body, {"dtype": dt, "shape": block, "root": r}
+
+
+def permute(c: Call, dev: Communicator, xp: ModuleType, x: Any, perm: Any) -> Lowered:
+    """Lower ``permute`` (``ppermute``) of a device array; a rank nobody sends to gets zeros."""
+    pairs = perm_pairs(c, perm)
+    dt = check_dtype(x.dtype, c.where)
+    dst = next((d for s, d in pairs if s == c.rank), None)
+    src = next((s for s, d in pairs if d == c.rank), None)
+    send = _flat(xp, x)
+    recv = (xp.zeros if src is None else xp.empty)(x.shape, dtype=x.dtype)
+
+    def body() -> Any:
+        dev.permute(send, dst, recv.reshape(-1), src)
+        return recv
+
+    return body, {"dtype": dt, "shape": tuple(x.shape), "args": pairs}

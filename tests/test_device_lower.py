@@ -1,0 +1,143 @@
+"""The device lowerings' layouts at every world size, run on numpy over a real tcp world.
+
+:mod:`meshcomm._device_lower` is what a group with a device backend (nccl) runs for cupy
+arrays. Its layout work (rank-major blocks, stacking and concatenating at any axis, tiled
+or not) is written with the array's own module, so here it runs with numpy over the tcp
+world's communicator, at worlds 1-4 and 8, and every result must equal the group's own
+numpy result for the same call (the path the conformance suite checks against numpy).
+NCCL refuses two ranks on one GPU, so this is where multi-rank layouts are tested; the
+device runs them with cupy over nccl at world 1 (tests/test_nccl_groups.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshcomm import _device_lower
+from meshcomm._arrays import ScratchPool
+from meshcomm._lower import Call
+from meshcomm.testing import run_ranks
+
+
+def _compare(group: Any) -> list[str]:
+    n, me = group.size, group.rank
+    comm = group._comm  # the tcp world's communicator stands in for the device's
+    problems: list[str] = []
+
+    def check(what: str, lowered: Any, expected: Any) -> None:
+        body, _ = lowered
+        got = body()
+        if expected is None:
+            if got is not None:
+                problems.append(f"rank {me}: {what}: expected None, got {got!r}")
+            return
+        if got.shape != expected.shape or got.dtype != expected.dtype:
+            problems.append(
+                f"rank {me}: {what}: got {got.dtype}{got.shape}, expected "
+                f"{expected.dtype}{expected.shape}"
+            )
+        elif not np.array_equal(got, expected):
+            problems.append(f"rank {me}: {what}: values differ")
+
+    def call(op: str) -> Call:
+        return Call(comm, ScratchPool(), f"{op}: rank {me}")
+
+    rng = np.random.default_rng(7 + me)
+    x = rng.integers(-5, 5, size=(n, 3, 2 * n)).astype(np.float64)
+    strided = x[:, ::-1, ::2]  # not contiguous
+    for arr in (x, strided):
+        for op in ("sum", "max", "avg"):
+            check(
+                f"all_reduce {op}",
+                _device_lower.all_reduce(call("all_reduce"), comm, np, arr, op, None),
+                group.all_reduce(arr, op),
+            )
+        check(
+            "all_reduce premul_sum",
+            _device_lower.all_reduce(call("all_reduce"), comm, np, arr, "premul_sum", 3.0),
+            group.all_reduce(arr, "premul_sum", factor=3.0),
+        )
+        for axis in range(-arr.ndim - 1, arr.ndim + 1):
+            check(
+                f"all_gather axis={axis}",
+                _device_lower.all_gather(call("all_gather"), comm, np, arr, axis, False),
+                group.all_gather(arr, axis),
+            )
+        for axis in range(arr.ndim):
+            check(
+                f"all_gather tiled axis={axis}",
+                _device_lower.all_gather(call("all_gather"), comm, np, arr, axis, True),
+                group.all_gather(arr, axis, tiled=True),
+            )
+        for op in ("sum", "avg"):
+            for axis, tiled in ((0, False), (0, True), (2, True)):
+                what = f"reduce_scatter {op} axis={axis} tiled={tiled}"
+                lowered = _device_lower.reduce_scatter(
+                    call("reduce_scatter"), comm, np, arr, op, axis, tiled, None
+                )
+                check(what, lowered, group.reduce_scatter(arr, op, axis, tiled))
+        for split, concat, tiled in ((0, 0, False), (0, 2, False), (0, 1, True), (2, 0, True)):
+            what = f"all_to_all split={split} concat={concat} tiled={tiled}"
+            lowered = _device_lower.all_to_all(
+                call("all_to_all"), comm, np, arr, split, concat, tiled
+            )
+            check(what, lowered, group.all_to_all(arr, split, concat, tiled))
+        for root in range(n):
+            check(
+                f"broadcast root={root}",
+                _device_lower.broadcast(call("broadcast"), comm, np, arr, root, None, None),
+                group.broadcast(arr, root),
+            )
+            check(
+                f"reduce root={root}",
+                _device_lower.reduce(call("reduce"), comm, np, arr, root, "sum", None),
+                group.reduce(arr, root, "sum"),
+            )
+            check(
+                f"gather root={root}",
+                _device_lower.gather(call("gather"), comm, np, arr, root),
+                group.gather(arr, root),
+            )
+            check(
+                f"scatter root={root}",
+                _device_lower.scatter(call("scatter"), comm, np, arr, root, None, None),
+                group.scatter(arr, root),
+            )
+        shift = [(r, (r + 1) % n) for r in range(n)]
+        partial = [(r, r + 1) for r in range(n - 1)]  # rank 0 receives from nobody: zeros
+        for perm in (shift, partial):
+            check(
+                f"permute {perm}",
+                _device_lower.permute(call("permute"), comm, np, arr, perm),
+                group.permute(arr, perm),
+            )
+    empty = np.zeros((n, 0), np.float32)
+    check(
+        "all_gather of zero elements",
+        _device_lower.all_gather(call("all_gather"), comm, np, empty, 0, True),
+        group.all_gather(empty, 0, tiled=True),
+    )
+    return problems
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_device_layouts_equal_the_host_path(nprocs: int) -> None:
+    for problems in run_ranks(_compare, nprocs, timeout=240):
+        assert problems == [], "\n".join(problems[:20])
+
+
+def test_device_argument_errors_are_the_host_paths() -> None:
+    from meshcomm.backends.local import SelfCommunicator
+    from meshcomm.errors import InvalidArgument
+
+    comm = SelfCommunicator()
+    call = Call(comm, ScratchPool(), "all_gather: rank 0")
+    with pytest.raises(InvalidArgument, match=r"all_gather: rank 0: .*axis"):
+        _device_lower.all_gather(call, comm, np, np.zeros(3), 5, False)
+    with pytest.raises(InvalidArgument, match="tiled all_gather needs at least 1 axis"):
+        _device_lower.all_gather(call, comm, np, np.float32(1), 0, True)
+    with pytest.raises(InvalidArgument, match="group size 1"):
+        _device_lower.scatter(call, comm, np, np.zeros(()), 0, None, None)

@@ -1,0 +1,202 @@
+"""Process groups with a device backend: cupy arrays over NCCL, numpy arrays over tcp.
+
+Without a GPU (CI): the backend names ``init`` takes, and the errors where cupy or a GPU is
+missing. With a GPU and cupy (a lent machine, through the device tool):
+
+    python -m pytest tests/test_nccl_groups.py -v
+
+runs a world of one with ``backend="cpu:tcp,cuda:nccl"`` (NCCL refuses two ranks on one
+GPU): every collective of the group and of ``meshcomm.ops`` on cupy arrays and torch CUDA
+tensors against numpy, results of the caller's kind on its device, the stream contract,
+async calls, mesh axes (NCCL communicators per axis), the TypeError for what NCCL lacks,
+and host arrays still over tcp. The multi-rank layouts are tested on CI with numpy
+(tests/test_device_lower.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+from test_nccl import GPU_SKIP
+
+from meshcomm._backend_spec import canonical, parse_backend
+from meshcomm.errors import InvalidArgument
+from meshcomm.testing import run_ranks
+
+needs_gpu = pytest.mark.skipif(bool(GPU_SKIP), reason=GPU_SKIP or "ok")
+PAIR = "cpu:tcp,cuda:nccl"
+
+
+# == without a GPU ==========================================================================
+@pytest.mark.parametrize(
+    ("spec", "pair"),
+    [("tcp", ("tcp", None)), ("MPI", ("mpi", None)), ("nccl", ("tcp", "nccl")),
+     ("cpu:tcp,cuda:nccl", ("tcp", "nccl")), ("cuda:nccl, cpu:tcp", ("tcp", "nccl")),
+     ("cuda:nccl", ("tcp", "nccl")), ("cpu:mpi", ("mpi", None))],
+)  # fmt: skip
+def test_backend_names_and_pairs(spec: str, pair: tuple[str, str | None]) -> None:
+    assert parse_backend(spec) == pair
+    assert canonical(spec) == (pair[0] if pair[1] is None else f"cpu:{pair[0]},cuda:{pair[1]}")
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [("gloo", "unknown backend 'gloo'"), ("cpu:nccl", "cpu arrays go over one of tcp"),
+     ("cuda:tcp", "cuda arrays go over one of nccl"), ("cpu:tcp,cpu:mpi", "once each"),
+     ("tpu:tcp", "once each")],
+)  # fmt: skip
+def test_bad_backend_names_say_what_is_known(spec: str, words: str) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        parse_backend(spec)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
+def test_init_with_nccl_without_cupy_names_the_extra() -> None:
+    import meshcomm
+
+    with pytest.raises(ImportError, match=r"pip install 'meshcomm\[cuda12\]'"):
+        meshcomm.init(backend="cpu:tcp,cuda:nccl", world_size=1, rank=0)
+    assert not meshcomm.is_initialized()
+
+
+def test_compat_nccl_without_a_gpu_stages_cuda_tensors_over_tcp() -> None:
+    from meshcomm.distributed._backend import meshcomm_backend
+
+    expected = PAIR if not GPU_SKIP else "tcp"
+    assert meshcomm_backend("nccl") == expected
+    assert meshcomm_backend("cpu:gloo,cuda:nccl") == expected
+    assert meshcomm_backend("cpu:mpi,cuda:nccl") == "mpi"
+
+
+# == on a GPU ===============================================================================
+def _on_nccl(group: Any) -> list[str]:
+    import cupy as cp
+
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    problems: list[str] = []
+    n = group.size
+
+    def same(what: str, got: Any, expected: Any) -> None:
+        if expected is None:
+            if got is not None:
+                problems.append(f"{what}: expected None, got {type(got).__name__}")
+            return
+        if not isinstance(got, cp.ndarray):
+            problems.append(f"{what}: a cupy input gave a {type(got).__name__}")
+            return
+        host = cp.asnumpy(got)
+        if host.shape != expected.shape or host.dtype != expected.dtype:
+            problems.append(f"{what}: {host.dtype}{host.shape} != {expected.dtype}{expected.shape}")
+        elif not np.array_equal(host, expected):
+            problems.append(f"{what}: values differ")
+
+    if group.backend not in (PAIR, "cpu:self,cuda:nccl"):  # a world of one: "self"
+        problems.append(f"group.backend is {group.backend!r}")
+    for name in ("float32", "float64", "float16", "int8", "uint8", "int32", "int64", "uint64",
+                 "bool", "complex64"):  # fmt: skip
+        x = (np.arange(n * 6).reshape(n, 2, 3) % 5).astype(name)
+        d = cp.asarray(x)
+        ops_here = ["sum"] if name.startswith("complex") else ["sum", "max", "min"]
+        for op in ops_here:
+            same(f"all_reduce {name} {op}", group.all_reduce(d, op), group.all_reduce(x, op))
+            same(
+                f"reduce_scatter {name} {op}",
+                group.reduce_scatter(d, op),
+                group.reduce_scatter(x, op),
+            )
+            same(f"reduce {name} {op}", group.reduce(d, 0, op), group.reduce(x, 0, op))
+        if name.startswith("float"):
+            same(f"avg {name}", group.all_reduce(d, "avg"), group.all_reduce(x, "avg"))
+            same(
+                f"premul_sum {name}",
+                group.all_reduce(d, "premul_sum", factor=2.0),
+                group.all_reduce(x, "premul_sum", factor=2.0),
+            )
+        for axis in (0, 1, 3):
+            same(f"all_gather {name} {axis}", group.all_gather(d, axis), group.all_gather(x, axis))
+        same(f"all_to_all {name}", group.all_to_all(d, 0, 2), group.all_to_all(x, 0, 2))
+        same(f"broadcast {name}", group.broadcast(d, 0), group.broadcast(x, 0))
+        same(f"gather {name}", group.gather(d, 0), group.gather(x, 0))
+        same(f"scatter {name}", group.scatter(d, 0), group.scatter(x, 0))
+        perm = [(r, (r + 1) % n) for r in range(n)]
+        same(f"permute {name}", group.permute(d, perm), group.permute(x, perm))
+        strided = d[:, ::-1, ::2]
+        same(
+            f"all_reduce strided {name}",
+            group.all_reduce(strided),
+            group.all_reduce(cp.asnumpy(strided)),
+        )
+    # What NCCL lacks is a TypeError before any call; host arrays are unaffected.
+    for name, op in (("int16", "sum"), ("int32", "bxor"), ("complex64", "max")):
+        try:
+            group.all_reduce(cp.ones(4, dtype=name), op)
+            problems.append(f"{name} {op}: no error")
+        except TypeError as exc:
+            if "NCCL" not in str(exc) and "not defined" not in str(exc):
+                problems.append(f"{name} {op}: {exc}")
+    host = group.all_reduce(np.ones(3, np.int16))
+    if type(host) is not np.ndarray:
+        problems.append(f"numpy input gave {type(host).__name__}")
+    # The stream contract: the result is used on the caller's stream with no host sync.
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.full(1 << 22, 2.0, dtype=cp.float32)
+        y = group.all_reduce(x)
+        total = float((y * 3).sum())
+    if total != 6.0 * n * (1 << 22):
+        problems.append(f"stream contract: {total}")
+    work = group.all_gather(cp.arange(4), async_op=True)
+    same("async all_gather", work.wait(), np.stack([np.arange(4)] * n))
+    # Mesh axes: each axis group gets an NCCL communicator of its own.
+    with init_device_mesh((n, 1), ("dp", "tp")):
+        x = cp.arange(6, dtype=cp.float32).reshape(2, 3)
+        same("ops.psum tp", ops.psum(x, "tp"), np.arange(6, dtype=np.float32).reshape(2, 3))
+        same("ops.psum dp", ops.psum(x, "dp"), n * np.arange(6, dtype=np.float32).reshape(2, 3))
+        same("ops.all_gather dp", ops.all_gather(x, "dp"), np.stack([cp.asnumpy(x)] * n))
+    return problems
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_a_group_runs_cupy_arrays_over_nccl() -> None:
+    for problems in run_ranks(_on_nccl, 1, backend=PAIR, timeout=240):
+        assert problems == [], "\n".join(problems[:30])
+
+
+def _torch_on_nccl(group: Any) -> list[str]:
+    import torch
+
+    import meshcomm.distributed as dist
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    problems: list[str] = []
+    with init_device_mesh((group.size,), ("tp",)):
+        x = torch.arange(6, dtype=torch.float32, device="cuda", requires_grad=True)
+        y = ops.psum(x, "tp")
+        if not (isinstance(y, torch.Tensor) and y.device.type == "cuda"):
+            problems.append(f"ops.psum gave {type(y).__name__} on {getattr(y, 'device', '?')}")
+        (y * y).sum().backward()
+        if x.grad is None or not torch.equal(x.grad, 2 * x.detach() * group.size):
+            problems.append(f"psum gradient {x.grad}")
+    dist.init_process_group("nccl")
+    t = torch.ones(5, device="cuda")
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((5,), float(group.size), device="cuda")):
+        problems.append(f"compat all_reduce {t}")
+    dist.destroy_process_group()
+    return problems
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_torch_cuda_tensors_over_nccl_keep_their_kind_and_gradients() -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    for problems in run_ranks(_torch_on_nccl, 1, backend=PAIR, timeout=240):
+        assert problems == [], "\n".join(problems)
