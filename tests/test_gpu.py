@@ -411,3 +411,40 @@ def test_mixed_devices_across_ranks_are_named_in_debug_mode() -> None:
     for message in messages:
         assert "global ranks [0] called all_reduce" in message and "on a GPU" in message, message
         assert "global ranks [1] called all_reduce" in message and "on the host" in message, message
+
+
+# == meshcomm.ops with jax GPU arrays: GPU in, GPU out, jax.grad on the GPU =================
+def _jax_gpu_ops(group: Any) -> list[str]:
+    import jax
+    import jax.numpy as jnp
+
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
+    n, rank = group.size, group.rank
+    gpu = jax.devices("gpu")[0]
+    problems: list[str] = []
+    x = jax.device_put(np.arange(4.0, dtype=np.float32) + rank, gpu)
+    with init_device_mesh((n,), ("tp",)):
+        y = ops.psum(x, "tp")
+        want = sum(np.arange(4.0, dtype=np.float32) + r for r in range(n))
+        if not isinstance(y, jax.Array) or y.devices() != {gpu}:
+            where = y.devices() if isinstance(y, jax.Array) else "the host"
+            problems.append(f"psum gave {type(y).__name__} on {where}")
+        elif not np.allclose(np.asarray(y), want):
+            problems.append(f"psum: {np.asarray(y)} != {want}")
+        grad = jax.grad(lambda v: jnp.sum(ops.all_gather(v, "tp") * 2.0))(x)
+        if grad.devices() != {gpu} or not np.allclose(np.asarray(grad), 2.0 * n):
+            problems.append(f"all_gather gradient {np.asarray(grad)} on {grad.devices()}")
+    return problems
+
+
+def test_ops_keep_jax_gpu_arrays_and_differentiate() -> None:
+    jax = pytest.importorskip("jax")
+    try:
+        jax.devices("gpu")
+    except RuntimeError as exc:
+        pytest.skip(f"jax sees no GPU ({exc})")
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # ranks share the one GPU's memory
+    for rank, problems in enumerate(run_ranks(_jax_gpu_ops, 2, timeout=TIMEOUT, env=env)):
+        assert problems == [], f"rank {rank}: {problems}"
