@@ -98,6 +98,9 @@ class Issuer:
         self._seen: set[int] | None = None
         if checked and holder is None:
             self._seen = set()
+        # Where stamps ride on host messages, device calls (nccl) carry none: their
+        # signatures are checked once each instead, as on mpi.
+        self._device_seen: set[int] | None = set() if holder is not None else None
         self.seq = 0
         self.book = _ledger.Ledger(_ledger.ledger_length())
         self._closed = False
@@ -182,16 +185,21 @@ class Issuer:
         if on_device:
             fields = {**fields, "device": True}  # for the ledger
         entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
+        seen = self._seen
         if self._stamper is not None:
+            if not on_device:
+                sig = _fingerprint.signature_of(op, fields, on_device)
+                stamp = _fingerprint.stamp(sig, seq)
+                words = self._words(op, seq, entry)
+                body = _call_checks.stamped(body, self._stamper, stamp, words)
+            else:  # a device call moves no stamped host message: check its first call
+                seen = self._device_seen
+        if seen is not None:
             sig = _fingerprint.signature_of(op, fields, on_device)
-            stamp = _fingerprint.stamp(sig, seq)
-            body = _call_checks.stamped(body, self._stamper, stamp, self._words(op, seq, entry))
-        elif self._seen is not None:
-            sig = _fingerprint.signature_of(op, fields, on_device)
-            if sig not in self._seen:
+            if sig not in seen:
                 row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
                 body = _call_checks.checked_first(
-                    group, self._comm, body, row, sig, self._seen, op, seq, label, entry
+                    group, self._comm, body, row, sig, seen, op, seq, label, entry
                 )
         if entry is not None and async_op:
             body = _call_checks.booked(entry, body)  # it ends on the engine's thread

@@ -142,6 +142,15 @@ class _Case:
         if op == "scatter":
             self.x = self.x.reshape(n, -1)
 
+        # A group with a device backend ("cpu:tcp,cuda:nccl") is timed on cupy arrays, and
+        # each timed loop ends with a stream synchronize (a call only queues its work).
+        self.device = "cuda:" in group.backend
+        self.sync: Callable[[], Any] = lambda: None
+        if self.device:
+            import cupy
+
+            self.x = cupy.asarray(self.x)
+            self.sync = cupy.cuda.get_current_stream().synchronize
         self.run: Callable[[], Any] = self._runner()
 
     def _runner(self) -> Callable[[], Any]:
@@ -197,6 +206,10 @@ class _Case:
         expected = self.expected()
         if expected is None:
             return 0 if result is None else 1
+        if self.device:
+            import cupy
+
+            result = cupy.asnumpy(result)
         got = np.asarray(result).reshape(-1)
         want = expected.reshape(-1)
         if got.shape != want.shape:
@@ -209,10 +222,12 @@ def _bench_size(group: Any, case: _Case, size: int, iters: int, warmup: int) -> 
     wrong = case.wrong(run())
     for _ in range(warmup):
         run()
+    case.sync()
     group.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         run()
+    case.sync()
     elapsed = (time.perf_counter() - start) / iters
     slowest = float(group.all_reduce(np.array([elapsed]), op="max")[0])
     wrong = int(group.all_reduce(np.array([wrong], dtype=np.int64), op="sum")[0])
@@ -293,7 +308,11 @@ def _parser() -> argparse.ArgumentParser:
         "the number of ranks here, not nccl-tests' iteration count (use --iters).",
     )
     p.add_argument(
-        "-n", "--nprocs", type=int, default=None, help="ranks to launch when run alone (default 2)"
+        "-n",
+        "--nprocs",
+        type=int,
+        default=None,
+        help="ranks to launch when run alone (default 2; nccl: one per GPU)",
     )
     p.add_argument(
         "--op",
@@ -304,7 +323,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         default=None,
-        help="tcp (the default on CPU), mpi (launched through mpiexec), nccl",
+        help="tcp (the default on CPU), mpi (launched through mpiexec), nccl (cupy arrays over "
+        "NCCL, one rank per GPU; same as cpu:tcp,cuda:nccl)",
     )
     p.add_argument(
         "-b",
@@ -360,6 +380,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device_backend(backend: str | None) -> bool:
+    """Whether ``backend`` names a device backend (nccl)."""
+    return backend is not None and "nccl" in backend.lower()
+
+
 def _inside_launcher() -> bool:
     launcher_vars = ("RANK", "MESHCOMM_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", _CHILD_ENV)
     return any(v in os.environ for v in launcher_vars)
@@ -371,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step_factor < 2:
         raise SystemExit("meshcomm-bench: --step-factor must be at least 2")
     if not _inside_launcher():
-        nprocs = args.nprocs or 2
+        # NCCL takes one GPU per rank: by default as many ranks as GPUs.
+        nprocs = args.nprocs or ("gpu" if _device_backend(args.backend) else 2)
         forwarded = [a for a in (sys.argv[1:] if argv is None else list(argv))]
         # The mpi backend's ranks are one MPI job: meshrun starts them through mpiexec.
         launch = ["--backend", "mpi"] if args.backend == "mpi" else []
