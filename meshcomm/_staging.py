@@ -114,7 +114,8 @@ def to_host(x: Any) -> tuple[Any, ModuleType | None]:
         return xp.asnumpy(x), xp
     _PINNED.down = memory, _ = _grown(xp, _PINNED.down, nbytes)
     host = _host_view(memory, np.dtype(x.dtype), tuple(x.shape))
-    xp.ascontiguousarray(x).get(out=host)  # waits for the current stream, then copies
+    # ascontiguousarray would make a 0-d array 1-d; get() waits for the current stream.
+    (x if x.flags.c_contiguous else xp.ascontiguousarray(x)).get(out=host)
     return host, xp
 
 

@@ -114,6 +114,33 @@ def _compare(group: Any) -> list[str]:
                 _device_lower.permute(call("permute"), comm, np, arr, perm),
                 group.permute(arr, perm),
             )
+    transposed = x[:, :, 0].T  # Fortran-ordered: the scaled copy must still be C-ordered
+    check(
+        "reduce premul_sum of a transposed array",
+        _device_lower.reduce(call("reduce"), comm, np, transposed, 0, "premul_sum", 2.0),
+        group.reduce(transposed, 0, "premul_sum", factor=2.0),
+    )
+    scalar = np.float64(me + 1.5)
+    check(
+        "all_reduce of a 0-d array",
+        _device_lower.all_reduce(call("all_reduce"), comm, np, np.asarray(scalar), "sum", None),
+        group.all_reduce(np.asarray(scalar)),
+    )
+    check(
+        "all_gather of a 0-d array",
+        _device_lower.all_gather(call("all_gather"), comm, np, np.asarray(scalar), 0, False),
+        group.all_gather(np.asarray(scalar)),
+    )
+    check(
+        "reduce of a 0-d array",
+        _device_lower.reduce(call("reduce"), comm, np, np.asarray(scalar), 0, "sum", None),
+        group.reduce(np.asarray(scalar), 0),
+    )
+    check(
+        "broadcast of a 0-d array",
+        _device_lower.broadcast(call("broadcast"), comm, np, np.asarray(scalar), 0, None, None),
+        group.broadcast(np.asarray(scalar), 0),
+    )
     empty = np.zeros((n, 0), np.float32)
     check(
         "all_gather of zero elements",

@@ -131,6 +131,9 @@ def _on_nccl(group: Any) -> list[str]:
             group.all_reduce(strided),
             group.all_reduce(cp.asnumpy(strided)),
         )
+    scalar = np.float32(2.5)
+    same("all_reduce 0-d", group.all_reduce(cp.asarray(scalar)), group.all_reduce(scalar))
+    same("all_gather 0-d", group.all_gather(cp.asarray(scalar)), group.all_gather(scalar))
     # What NCCL lacks is a TypeError before any call; host arrays are unaffected.
     for name, op in (("int16", "sum"), ("int32", "bxor"), ("complex64", "max")):
         try:
