@@ -535,12 +535,14 @@ class DeviceMesh:
     def __repr__(self) -> str:
         return f"DeviceMesh({self._grid.tolist()}, mesh_dim_names={self._names!r})"
 
-    def visualize(self, *, rank: int | None = None) -> None:
+    def visualize(self, *, rank: int | None = None, gpus: bool | None = None) -> None:
         """Print the grid, this rank's position and each axis' groups.
 
         Args:
             rank: the global rank to mark; default this process's rank (none if meshcomm
                 is not initialized).
+            gpus: also print this host's GPU link matrix (:func:`meshcomm.topology`);
+                default: in a world with a device backend (``cpu:tcp,cuda:nccl``).
 
         Example:
             >>> DeviceMesh([[0, 1], [2, 3]], ("dp", "tp")).visualize(rank=3)
@@ -555,7 +557,17 @@ class DeviceMesh:
         """
         from meshcomm._mesh_view import render_text
 
-        print(render_text(self, self._rank_to_show(rank)))
+        text = render_text(self, self._rank_to_show(rank))
+        if gpus is None:
+            from meshcomm.world import get_world, is_initialized
+
+            gpus = is_initialized() and "cuda:" in get_world().backend
+        if gpus:
+            from meshcomm.topology import topology
+
+            text += "\n\nGPU links on this host (NV = NVLink, SYS = across sockets):\n"
+            text += "\n".join("  " + line for line in topology().describe().splitlines())
+        print(text)
 
     def _rank_to_show(self, rank: int | None) -> int | None:
         if rank is not None:
@@ -647,7 +659,9 @@ def init_device_mesh(
             initialized yet (then also ``timeout``); if it is, ``backend`` must match it.
         timeout: seconds or ``timedelta`` for that init.
         gpu_order: ``"rank"`` (rank order) or ``"topology"`` (see above; one extra
-            all_gather of the world). Default: ``MESHCOMM_GPU_ORDER``, else ``"rank"``.
+            all_gather of the world). Default: ``MESHCOMM_GPU_ORDER``, else ``"topology"``
+            in a world with a device backend (``cpu:tcp,cuda:nccl``) and ``"rank"``
+            elsewhere.
 
     Returns:
         A :class:`DeviceMesh` whose :meth:`~DeviceMesh.get_all_groups` are made.
@@ -680,6 +694,8 @@ def init_device_mesh(
             )
     else:
         group = world.init(backend=backend, timeout=timeout)
+    if "cuda:" in group.backend:  # GPUs talk to each other: their links pick the order
+        order = gpu_order_arg(gpu_order, default="topology")
     full = infer_mesh_shape(shape, group.size)
     ranks = mesh_ranks(group, full[-1]) if order == "topology" else group.ranks
     grid = np.array(ranks, dtype=np.int64).reshape(full)

@@ -232,9 +232,9 @@ def best_order(links: Matrix | Sequence[Sequence[Link | None]], block: int) -> l
     return order
 
 
-def gpu_order_arg(gpu_order: str | None) -> str:
+def gpu_order_arg(gpu_order: str | None, default: str = "rank") -> str:
     """``init_device_mesh``'s ``gpu_order``: ``"rank"`` or ``"topology"`` (None: the
-    ``MESHCOMM_GPU_ORDER`` variable, else ``"rank"``).
+    ``MESHCOMM_GPU_ORDER`` variable, else ``default``).
 
     Raises:
         InvalidArgument: anything else.
@@ -243,7 +243,7 @@ def gpu_order_arg(gpu_order: str | None) -> str:
         >>> gpu_order_arg("topology")
         'topology'
     """
-    order = gpu_order if gpu_order is not None else os.environ.get(GPU_ORDER_ENV, "rank")
+    order = gpu_order if gpu_order is not None else os.environ.get(GPU_ORDER_ENV, default)
     if order not in ("rank", "topology"):
         source = "" if gpu_order is not None else f" (from {GPU_ORDER_ENV})"
         raise InvalidArgument(

@@ -151,3 +151,25 @@ def test_a_bad_gpu_order_fails_before_joining_the_world(monkeypatch: pytest.Monk
     monkeypatch.setenv("MESHCOMM_GPU_ORDER", "fast")
     with pytest.raises(InvalidArgument, match="got 'fast' \\(from MESHCOMM_GPU_ORDER\\)"):
         meshcomm.init_device_mesh((1,))
+
+
+def test_the_default_order_follows_the_links_only_with_a_device_backend() -> None:
+    from meshcomm.topology import gpu_order_arg
+
+    assert gpu_order_arg(None) == "rank"
+    assert gpu_order_arg(None, default="topology") == "topology"
+    assert gpu_order_arg("rank", default="topology") == "rank"  # the way to turn it off
+
+
+def test_visualize_shows_this_hosts_gpu_links(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshcomm.mesh import DeviceMesh
+
+    monkeypatch.setenv(LINKS_ENV, CROSSED)
+    mesh = DeviceMesh([[0, 1], [2, 3]], ("dp", "tp"))
+    mesh.visualize(rank=0)
+    assert "GPU links" not in capsys.readouterr().out  # no device backend: the grid only
+    mesh.visualize(rank=0, gpus=True)
+    shown = capsys.readouterr().out
+    assert "GPU links on this host" in shown and "GPU0" in shown and "NV" in shown
