@@ -37,6 +37,24 @@ def _per_call(call: Callable[[], None], sync: Callable[[], None], iters: int) ->
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def _alternated(
+    first: Callable[[], None],
+    second: Callable[[], None],
+    sync: Callable[[], None],
+    iters: int,
+    rounds: int,
+    warmup: int,
+) -> tuple[float, float]:
+    """Median us per call of ``first`` and of ``second``, timed in alternating rounds."""
+    for call in (first, second):
+        _per_call(call, sync, warmup)
+    ones, twos = [], []
+    for _ in range(rounds):
+        ones.append(_per_call(first, sync, iters))
+        twos.append(_per_call(second, sync, iters))
+    return statistics.median(ones), statistics.median(twos)
+
+
 def main() -> None:
     """Print the three tables (and write them as JSON if asked)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,13 +93,7 @@ def main() -> None:
             else:
                 ours.all_reduce_out(x, y, ReduceOp.SUM)
 
-        for call in (call_raw, call_ours):
-            _per_call(call, stream.synchronize, 20)
-        raws, mine = [], []
-        for _ in range(args.rounds):
-            raws.append(_per_call(call_raw, stream.synchronize, iters))
-            mine.append(_per_call(call_ours, stream.synchronize, iters))
-        r, m = statistics.median(raws), statistics.median(mine)
+        r, m = _alternated(call_raw, call_ours, stream.synchronize, iters, args.rounds, 20)
         row = {"bytes": nbytes, "place": place, "raw_us": r, "ours_us": m, "added_us": m - r}
         results["rows"].append(row)
         print(f"{nbytes:>10} {place:>6} {r:>9.2f} {m:>9.2f} {m - r:>9.2f} {m / r:>9.3f}"
@@ -150,13 +162,7 @@ def main() -> None:
             back.set(pinned)
 
         iters = 200 if nbytes <= 1 << 20 else 10
-        for call in (pageable, pinned_copy):
-            _per_call(call, stream.synchronize, 3)
-        pages, pins = [], []
-        for _ in range(args.rounds):
-            pages.append(_per_call(pageable, stream.synchronize, iters))
-            pins.append(_per_call(pinned_copy, stream.synchronize, iters))
-        p, q = statistics.median(pages), statistics.median(pins)
+        p, q = _alternated(pageable, pinned_copy, stream.synchronize, iters, args.rounds, 3)
         results["staging"].append({"bytes": nbytes, "pageable_us": p, "pinned_us": q})
         print(f"{nbytes:>10} {p:>12.1f} {q:>10.1f} {q / p:>16.3f}")
     ours.close()
