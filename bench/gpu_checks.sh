@@ -1,0 +1,31 @@
+#!/bin/bash
+# Every check that needs an NVIDIA GPU, as one run (a lent machine: the device tool).
+#
+#   bash bench/gpu_checks.sh [SECTION ...]     (default: facts nccl groups gpu bench)
+#
+# Sections: facts (GPU, cupy, NCCL), nccl (tests/test_nccl.py), groups
+# (tests/test_nccl_groups.py), gpu (tests/test_gpu.py; GPU_K=expr narrows it), bench
+# (bench/nccl_overhead.py), staging (bench/gpu_staging.py), mbench (meshcomm-bench --backend
+# nccl), meshrun (meshrun --backend nccl --nproc-per-node gpu), overlap (bench/overlap.py:
+# needs no GPU, but such a machine has a core per rank). Logs go to $OUT (default
+# ./gpu-checks); the meshcomm checkout is put first on PYTHONPATH, no install needed.
+set -u
+OUT=${OUT:-gpu-checks}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+S=" ${*:-facts nccl groups gpu bench} "
+TEST=(-m pytest -o addopts=-ra -p no:cacheprovider -q)
+has() { [[ $S == *" $1 "* ]]; }
+if has facts; then
+    { nvidia-smi -L; $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'NCCL', nccl.get_version())"; } 2>&1 | tee "$OUT/facts.log"
+fi
+if has nccl; then timeout 120 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py 2>&1 | tee "$OUT/nccl.log"; fi
+if has groups; then timeout 180 $PY "${TEST[@]}" --timeout 150 tests/test_nccl_groups.py 2>&1 | tee "$OUT/groups.log"; fi
+if has gpu; then timeout 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu.py ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu.log"; fi
+if has bench; then timeout 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json" 2>&1 | tee "$OUT/bench.log"; fi
+if has staging; then timeout 180 $PY bench/gpu_staging.py --rounds 2 2>&1 | tee "$OUT/staging.log"; fi
+if has mbench; then timeout 120 $PY -m meshcomm.bench --backend nccl -b 8 -e 64M -f 8 2>&1 | tee "$OUT/mbench.log"; fi
+if has meshrun; then timeout 90 $PY -m meshcomm.run --backend nccl --nproc-per-node gpu tests/scripts/nccl_psum.py 2>&1 | tee "$OUT/meshrun.log"; fi
+if has overlap; then timeout 300 $PY bench/overlap.py --repeats 15 2>&1 | tee "$OUT/overlap.log"; fi
+true
