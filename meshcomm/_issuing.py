@@ -143,11 +143,13 @@ class Issuer:
         async_op: bool,
         device: ModuleType | None = None,
         on_device: bool | None = None,
+        over_device: bool = False,
     ) -> Any:
         """Run a lowered call in the group's order (after a fingerprint check in debug mode).
 
         ``device``: the array module (cupy) the input came from; the result goes back to it.
         ``on_device``: the input lives on a GPU (default: ``device`` is given).
+        ``over_device``: the call runs on the group's device communicator, not the host's.
         """
         body, fields = lowered
         if device is not None:
@@ -187,12 +189,12 @@ class Issuer:
         entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
         seen = self._seen
         if self._stamper is not None:
-            if not on_device:
+            if not over_device:
                 sig = _fingerprint.signature_of(op, fields, on_device)
                 stamp = _fingerprint.stamp(sig, seq)
                 words = self._words(op, seq, entry)
                 body = _call_checks.stamped(body, self._stamper, stamp, words)
-            else:  # a device call moves no stamped host message: check its first call
+            else:  # no host message carries a stamp: check the signature's first call
                 seen = self._device_seen
         if seen is not None:
             sig = _fingerprint.signature_of(op, fields, on_device)
@@ -223,7 +225,7 @@ class Issuer:
         would be another); the Work returned then is complete, its result safe to use on
         the caller's stream (torch's ``wait_tensor`` contract).
         """
-        result = self.issue(op, lowered, False, on_device=True)
+        result = self.issue(op, lowered, False, on_device=True, over_device=True)
         if not async_op:
             return result
         work: Work[Any] = Work(f"{op} on {self._where}")
