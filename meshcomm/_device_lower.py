@@ -32,8 +32,6 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from meshcomm._arrays import check_dtype
 from meshcomm._lower import (
     COMPOSED,
@@ -61,12 +59,6 @@ __all__ = [
     "reduce_scatter",
     "scatter",
 ]
-
-
-def _check_reduction(dev: Communicator, dt: np.dtype, op: ReduceOp, what: str) -> None:
-    check = getattr(dev, "check_reduction", None)
-    if check is not None:
-        check(dt, op, what)
 
 
 def _flat(xp: ModuleType, x: Any) -> Any:
@@ -109,7 +101,7 @@ def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, fact
     dt = check_dtype(x.dtype, c.where)
     rop, f = reduce_op_and_factor(c, op, dt, factor)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
-    _check_reduction(dev, dt, prim, c.where)
+    dev.check_reduction(dt, prim, c.where)
     send = _flat(xp, x if f is None else _scale(xp, x, f))
     out = xp.empty(x.shape, dtype=x.dtype)
     flat_out = _flat(xp, out)
@@ -151,7 +143,7 @@ def reduce_scatter(
     dt = check_dtype(x.dtype, c.where)
     rop, f = reduce_op_and_factor(c, op, dt, factor)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
-    _check_reduction(dev, dt, prim, c.where)
+    dev.check_reduction(dt, prim, c.where)
     ax, block = split_blocks(c, x, axis, tiled, "axis")
     size = c.size
     send = _rank_major(xp, x if f is None else _scale(xp, x, f), ax, size, tiled).reshape(-1)
@@ -218,7 +210,7 @@ def reduce(
     dt = check_dtype(x.dtype, c.where)
     rop, f = reduce_op_and_factor(c, op, dt, factor)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
-    _check_reduction(dev, dt, prim, c.where)
+    dev.check_reduction(dt, prim, c.where)
     buf = xp.array(x, copy=True, order="C") if f is None else _scale(xp, x, f)
     is_root, size = r == c.rank, c.size
 

@@ -142,13 +142,11 @@ class Issuer:
         lowered: _lower.Lowered,
         async_op: bool,
         device: ModuleType | None = None,
-        on_device: bool | None = None,
         over_device: bool = False,
     ) -> Any:
         """Run a lowered call in the group's order (after a fingerprint check in debug mode).
 
         ``device``: the array module (cupy) the input came from; the result goes back to it.
-        ``on_device``: the input lives on a GPU (default: ``device`` is given).
         ``over_device``: the call runs on the group's device communicator, not the host's.
         """
         body, fields = lowered
@@ -160,9 +158,8 @@ class Issuer:
 
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self.engine.submit(body, f"{op} on {self._where}", bool(async_op))
-        if on_device is None:
-            on_device = device is not None
-        if self._group._device is None and op in _LOCATION_FREE:
+        on_device = device is not None or over_device  # the input lives on a GPU
+        if self._group.device_backend is None and op in _LOCATION_FREE:
             # Through host memory, ranks off the root may pass None to broadcast and
             # scatter, and where each result lives is each rank's own choice: no location
             # is compared (read as the host's, as the planned calls do). A group with a
@@ -225,12 +222,10 @@ class Issuer:
         would be another); the Work returned then is complete, its result safe to use on
         the caller's stream (torch's ``wait_tensor`` contract).
         """
-        result = self.issue(op, lowered, False, on_device=True, over_device=True)
+        result = self.issue(op, lowered, False, over_device=True)
         if not async_op:
             return result
-        work: Work[Any] = Work(f"{op} on {self._where}")
-        work._finish(lambda: result)
-        return work
+        return Work.completed(f"{op} on {self._where}", result)
 
     # -- planned calls -------------------------------------------------------------------
     def plan(

@@ -130,7 +130,7 @@ def to_device(xp: ModuleType, result: Any) -> Any:
         return None
     result = np.asarray(result)
     nbytes = result.nbytes
-    if xp is np or not 0 < nbytes <= pinned_limit():
+    if not 0 < nbytes <= pinned_limit():
         return xp.asarray(result)
     held = _PINNED.up
     if held is not None:

@@ -144,7 +144,7 @@ class _Case:
 
         # A group with a device backend ("cpu:tcp,cuda:nccl") is timed on cupy arrays, and
         # each timed loop ends with a stream synchronize (a call only queues its work).
-        self.device = "cuda:" in group.backend
+        self.device = group.device_backend is not None
         self.sync: Callable[[], Any] = lambda: None
         if self.device:
             import cupy

@@ -185,8 +185,18 @@ class ProcessGroup(SubGroups):
     def backend(self) -> str:
         """The backend: "tcp", "mpi" or "self", or ``"cpu:tcp,cuda:nccl"`` where device
         arrays go over a device backend of their own."""
-        host = self._comm.backend_name
-        return host if self._device is None else f"cpu:{host},cuda:{self._device.backend_name}"
+        host, device = self._comm.backend_name, self.device_backend
+        return host if device is None else f"cpu:{host},cuda:{device}"
+
+    @property
+    def device_backend(self) -> str | None:
+        """The backend device arrays go over (``"nccl"``), or None: through host memory.
+
+        Example:
+            >>> ProcessGroup(SelfCommunicator()).device_backend is None
+            True
+        """
+        return None if self._device is None else self._device.backend_name
 
     @property
     def timeout(self) -> float:

@@ -561,7 +561,7 @@ class DeviceMesh:
         if gpus is None:
             from meshcomm.world import get_world, is_initialized
 
-            gpus = is_initialized() and "cuda:" in get_world().backend
+            gpus = is_initialized() and get_world().device_backend is not None
         if gpus:
             from meshcomm.topology import topology
 
@@ -694,7 +694,7 @@ def init_device_mesh(
             )
     else:
         group = world.init(backend=backend, timeout=timeout)
-    if "cuda:" in group.backend:  # GPUs talk to each other: their links pick the order
+    if group.device_backend is not None:  # GPUs talk to each other: their links pick the order
         order = gpu_order_arg(gpu_order, default="topology")
     full = infer_mesh_shape(shape, group.size)
     ranks = mesh_ranks(group, full[-1]) if order == "topology" else group.ranks

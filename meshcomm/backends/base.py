@@ -127,6 +127,17 @@ class Communicator(ABC):
         np.copyto(recv, send)
         self.all_reduce(recv, op)
 
+    def check_reduction(self, dtype: np.dtype, op: ReduceOp, what: str) -> None:
+        """Raise ``TypeError`` (naming ``what``) if this backend cannot reduce ``dtype`` with
+        ``op``. Default: nothing to raise (host backends reduce every pair the group layer
+        accepts); a device backend with a smaller table (nccl) overrides it.
+
+        Example:
+            >>> from meshcomm.backends.local import SelfCommunicator
+            >>> SelfCommunicator().check_reduction(np.dtype(np.int16), ReduceOp.BXOR, "x")
+        """
+        return
+
     def broadcast_out(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
         """Root's ``send`` into every rank's ``recv`` (root's too); ``send`` is only read, on
         root. Default: root copies ``send`` into ``recv``, then :meth:`broadcast`; a backend

@@ -123,10 +123,12 @@ def meshcomm_backend(backend: str | None) -> str:
     if backend is None:
         return "tcp"
     pairs = parse_backend_string(backend)
-    host = _TO_MESHCOMM[pairs.get("cpu", "gloo")]
+    # The host arrays' backend: the cpu entry, else the one entry that is not nccl.
+    cpu = pairs.get("cpu") or next((b for b in pairs.values() if b != "nccl"), "gloo")
+    host = _TO_MESHCOMM[cpu]
     if pairs.get("cuda") == "nccl" and host == "tcp" and _nccl_usable():
         return "cpu:tcp,cuda:nccl"
-    return host if "cpu" in pairs or pairs.get("cuda") == "nccl" else _TO_MESHCOMM[pairs["cuda"]]
+    return host
 
 
 def _nccl_usable() -> bool:
