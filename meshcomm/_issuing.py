@@ -32,7 +32,7 @@ import numpy as np
 from meshcomm import _call_checks, _fingerprint, _ledger, _lower, _plans, _staging
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool
-from meshcomm.backends.base import Communicator
+from meshcomm.backends.base import Communicator, Runner
 from meshcomm.errors import CommError, CommTimeout, MismatchError
 from meshcomm.work import ProgressEngine, Work
 
@@ -254,9 +254,19 @@ class Issuer:
             plans[key] = plan
         return plan
 
-    def run_plan(self, plan: _plans.Plan, x: np.ndarray, async_op: bool = False) -> Any:
+    def run_plan(
+        self,
+        plan: _plans.Plan,
+        x: np.ndarray,
+        async_op: bool = False,
+        out: np.ndarray | None = None,
+    ) -> Any:
         """Run ``plan`` on ``x`` (a numpy array of the plan's signature): a fresh result
         filled by ``plan.run(x, result)``; with ``async_op``, a Work for it.
+
+        ``out`` (checked by :func:`meshcomm._lower.check_out`): the result goes there, and
+        ``x`` is read where it lies, no copy, also by an asynchronous call; ``out`` is ``x``:
+        reduced in place (``plan.run_in_place``).
 
         The runner reads a C-contiguous array: a strided ``x`` is copied first, and an
         asynchronous call reads its own copy (the caller may change ``x`` meanwhile); both
@@ -269,10 +279,20 @@ class Issuer:
         first-call check, a trace) or finds the engine taken (queued work, another thread,
         a failed or closed group) hands the same runner to :meth:`issue`.
         """
-        if async_op or not x.flags.c_contiguous:
-            return self._run_plan_on_copy(plan, x, async_op)
         engine, dtype, run = self.engine, plan.dtype, plan.run
-        if plan.nbytes < _POOLED:
+        if out is not None:
+            run = _into(plan, x, out)
+            if async_op:
+                into, result = run, out
+
+                def fill() -> np.ndarray:
+                    into(x, result)
+                    return result
+
+                return self.issue(plan.collective, (fill, plan.fields), True)
+        elif async_op or not x.flags.c_contiguous:
+            return self._run_plan_on_copy(plan, x, async_op)
+        elif plan.nbytes < _POOLED:
             out = np.empty(plan.shape, dtype)
         else:
             out = engine.results.take(dtype, plan.count).reshape(plan.shape)
@@ -364,3 +384,26 @@ class Issuer:
             return _call_checks.mismatch_words(group, comm, exc, op, seq, entry)
 
         return words
+
+
+def _into(plan: _plans.Plan, x: np.ndarray, out: np.ndarray) -> Runner:
+    """The runner that fills a caller's ``out`` from ``x``: in place where ``out`` is ``x``'s
+    memory, the plan's own where ``x`` is C-contiguous, else ``x`` copied into ``out`` and
+    reduced there."""
+    in_place, plain = plan.run_in_place, plan.run
+    if x.flags.c_contiguous and x.ctypes.data != out.ctypes.data:
+        return plain
+    if in_place is None:  # a plan without an in-place runner reads a C-contiguous copy
+
+        def run_on_copy(x: np.ndarray, out: np.ndarray) -> None:
+            plain(np.ascontiguousarray(x), out)
+
+        return run_on_copy
+    reduce_in_place = in_place
+
+    def run(x: np.ndarray, out: np.ndarray) -> None:
+        if x.ctypes.data != out.ctypes.data:
+            np.copyto(out, x)
+        reduce_in_place(out)
+
+    return run

@@ -65,6 +65,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "check_out",
     "gather",
     "input_array",
     "int64_arg",
@@ -176,6 +177,50 @@ def _tag(where: str, tag: Any) -> int:
 def input_array(c: Call, x: Any) -> tuple[np.ndarray, np.dtype]:
     arr = as_array(x, c.where)
     return arr, check_dtype(arr.dtype, c.where)
+
+
+def check_out(c: Call, x: Any, out: Any) -> None:
+    """Check a result buffer ``out`` for input ``x``: both numpy arrays of one shape and
+    dtype (native byte order), ``out`` writeable and C-contiguous, and either ``x`` itself
+    (in place) or apart from it.
+
+    Raises:
+        InvalidArgument: naming this rank and group, and both values.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm._arrays import ScratchPool
+        >>> c = Call(SelfCommunicator(), ScratchPool(), "all_reduce: rank 0")
+        >>> try:
+        ...     check_out(c, np.ones(3), np.empty(2))
+        ... except InvalidArgument as exc:
+        ...     print(str(exc).split("; ")[0])
+        all_reduce: rank 0: out has shape (2,) and dtype float64
+    """
+    if not isinstance(x, np.ndarray) or not isinstance(out, np.ndarray):
+        raise InvalidArgument(
+            f"{c.where}: out= takes numpy arrays (x and out); got x of type "
+            f"{type(x).__name__} and out of type {type(out).__name__}"
+        )
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise InvalidArgument(
+            f"{c.where}: out has shape {out.shape} and dtype {out.dtype}; x has shape "
+            f"{x.shape} and dtype {x.dtype}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgument(
+            f"{c.where}: out must be writeable and C-contiguous; got strides {out.strides}, "
+            f"writeable={out.flags.writeable}"
+        )
+    if not out.dtype.isnative:
+        raise InvalidArgument(f"{c.where}: out= takes native byte order, got dtype {out.dtype.str}")
+    if out is not x and np.may_share_memory(x, out):
+        same = x.ctypes.data == out.ctypes.data and x.strides == out.strides
+        if not same:
+            raise InvalidArgument(
+                f"{c.where}: out overlaps x without being the same memory (x strides "
+                f"{x.strides}, out strides {out.strides})"
+            )
 
 
 # (op as the caller spelled it, dtype) -> ReduceOp, for pairs already accepted (no factor).

@@ -297,7 +297,13 @@ class ProcessGroup(SubGroups):
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
-        self, x: ArrayLike, op: OpLike = "sum", *, factor: Any = None, async_op: bool = False
+        self,
+        x: ArrayLike,
+        op: OpLike = "sum",
+        *,
+        factor: Any = None,
+        async_op: bool = False,
+        out: np.ndarray | None = None,
     ) -> Any:
         """Reduce ``x`` across the group; every rank gets the result (``jax.lax.psum`` & co).
 
@@ -308,12 +314,20 @@ class ProcessGroup(SubGroups):
                 avg and premul_sum compute in ``x``'s dtype.
             factor: the scalar of "premul_sum" (only there).
             async_op: return a :class:`~meshcomm.work.Work` instead of the result.
+            out: write the result here instead of into a new array: a writeable
+                C-contiguous numpy array of ``x``'s shape and dtype (a numpy array too), or
+                ``x`` itself to reduce in place. No copy of ``x`` is taken, so with
+                ``async_op`` neither ``x`` nor ``out`` may change until the Work completes
+                (MPI's rule for nonblocking buffers, and torch's for ``async_op``); the DDP
+                pattern, a gradient bucket reduced in place behind other work, needs no
+                extra pass over memory this way.
 
         Returns:
-            A new array with ``x``'s shape and dtype.
+            A new array with ``x``'s shape and dtype (``out`` when given).
 
         Raises:
-            InvalidArgument: unknown op, or factor missing / misplaced.
+            InvalidArgument: unknown op, or factor missing / misplaced; an ``out`` that is
+                not such an array (or overlaps ``x`` without being it).
             TypeError: the op is undefined for the dtype (complex min, float band, int avg),
                 or the dtype is unsupported.
             CommError: communication failed (or had failed before in this world).
@@ -322,7 +336,12 @@ class ProcessGroup(SubGroups):
             >>> g = ProcessGroup(SelfCommunicator())
             >>> g.all_reduce([1.0, 2.0], "premul_sum", factor=3.0)
             array([3., 6.])
+            >>> grads = np.ones(3)
+            >>> g.all_reduce(grads, out=grads) is grads
+            True
         """
+        if out is not None:
+            return self._all_reduce_into(x, op, factor, async_op, out)
         if type(x) is np.ndarray and factor is None:
             plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
             return self._run_plan(plan, x, async_op)
@@ -334,6 +353,23 @@ class ProcessGroup(SubGroups):
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
         return self._issue("all_reduce", lowered, async_op, dev)
+
+    def _all_reduce_into(self, x: Any, op: OpLike, factor: Any, async_op: bool, out: Any) -> Any:
+        """:meth:`all_reduce` with ``out``: checked first, then the plan of the signature
+        runs into ``out`` (a ``premul_sum``, whose factor is no part of a plan, is lowered
+        per call and its result copied into ``out``)."""
+        c = self._enter("all_reduce")
+        _lower.check_out(c, x, out)
+        if factor is not None:
+            body, fields = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
+
+            def scaled_into_out() -> np.ndarray:
+                np.copyto(out, body())
+                return out
+
+            return self._issue("all_reduce", (scaled_into_out, fields), async_op)
+        plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
+        return self._run_plan(plan, x, async_op, out)
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False

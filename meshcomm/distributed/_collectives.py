@@ -139,11 +139,22 @@ def all_reduce(
     if pg is None:
         return None
     g = pg.mesh_group
+    mine = buf.in_place
+    if mine is not None:  # reduced where it lies: no copy in or out, async included
+
+        def reduce_in_place(a: bool) -> Any:
+            return g.all_reduce(mine, mop, factor=factor, async_op=a, out=mine)
+
+        return run("all_reduce", reduce_in_place, [tensor], _written, async_op)
 
     def issue(a: bool) -> Any:
         return g.all_reduce(buf.host, mop, factor=factor, async_op=a)
 
     return run("all_reduce", issue, [tensor], buf.write, async_op)
+
+
+def _written(result: Any) -> None:
+    """The finish of a collective that wrote its result into the caller's memory itself."""
 
 
 @public

@@ -108,6 +108,15 @@ class Buffer:
             return self._view
         return _device_to_host(self)
 
+    @property
+    def in_place(self) -> np.ndarray | None:
+        """The caller's memory as a writeable C-contiguous numpy view (native byte order),
+        for a collective that writes its result there directly; None where it is not one."""
+        v = self._view
+        if v is None or not (v.flags.c_contiguous and v.flags.writeable and v.dtype.isnative):
+            return None
+        return v
+
     def write(self, values: np.ndarray) -> None:
         """Copy ``values`` (same number of elements and dtype) into the caller's object."""
         if self._view is not None:
