@@ -29,9 +29,11 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from meshcomm import _fingerprint
 from meshcomm._arrays import check_dtype
 from meshcomm._lower import (
     COMPOSED,
@@ -49,12 +51,14 @@ from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
 
 __all__ = [
+    "DevicePlan",
     "all_gather",
     "all_reduce",
     "all_to_all",
     "broadcast",
     "gather",
     "permute",
+    "plan_all_reduce",
     "reduce",
     "reduce_scatter",
     "scatter",
@@ -114,6 +118,71 @@ def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, fact
         return out
 
     return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+
+
+class DevicePlan:
+    """One device call signature lowered once: the checks of :func:`all_reduce` made on its
+    first call, and the runner its later calls take (the numpy calls' :class:`~meshcomm.
+    _plans.Plan`, for device arrays: no layout work, no snapshot, nothing to stamp).
+
+    Attributes:
+        collective: the operation name.
+        run: ``run(x)`` for a C-contiguous device array of the signature: queues the call
+            on the device communicator and returns the new result.
+        fields: the call's fingerprint fields, as the lowering gives them.
+        ledger_fields: ``fields`` marked as a device call (what the ledger keeps).
+        sig: the call's signature (:func:`~meshcomm._fingerprint.signature_of` on device).
+        dtype: the array's dtype.
+        in_shape: the array's shape.
+    """
+
+    __slots__ = ("collective", "dtype", "fields", "in_shape", "ledger_fields", "run", "sig")
+
+    def __init__(self, collective: str, fields: dict[str, Any], run: Callable[[Any], Any]):
+        self.collective = collective
+        self.fields = fields
+        self.ledger_fields = {**fields, "device": True}
+        self.sig = _fingerprint.signature_of(collective, fields, True)
+        self.run = run
+        self.dtype = fields["dtype"]
+        self.in_shape: tuple[int, ...] = fields["shape"]
+
+
+def plan_all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any) -> DevicePlan:
+    """The plan of an ``all_reduce`` of a C-contiguous device array ``x`` (no factor): a
+    new result of ``x``'s shape, reduced into out of place, ``avg`` divided after.
+
+    Example:
+        >>> import numpy as np
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm._arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> plan = plan_all_reduce(Call(comm, ScratchPool(), "rank 0"), comm, np, np.ones(2), "avg")
+        >>> plan.run(np.arange(2.0)), plan.fields["reduce"]
+        (array([0., 1.]), <ReduceOp.AVG: 'avg'>)
+    """
+    dt = check_dtype(x.dtype, c.where)
+    rop, _ = reduce_op_and_factor(c, op, dt, None)
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    dev.check_reduction(dt, prim, c.where)
+    shape, size = tuple(x.shape), c.size
+    empty, reduce_out, divide = xp.empty, dev.all_reduce_out, xp.true_divide
+    if rop is ReduceOp.AVG:
+
+        def run(x: Any) -> Any:
+            out = empty(shape, dtype=dt)
+            reduce_out(x, out, prim)
+            divide(out, size, out=out)
+            return out
+
+    else:
+
+        def run(x: Any) -> Any:
+            out = empty(shape, dtype=dt)
+            reduce_out(x, out, prim)
+            return out
+
+    return DevicePlan("all_reduce", {"dtype": dt, "shape": shape, "reduce": rop}, run)
 
 
 def all_gather(

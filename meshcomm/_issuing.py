@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
-from meshcomm import _call_checks, _fingerprint, _ledger, _lower, _plans, _staging
+from meshcomm import _call_checks, _device_lower, _fingerprint, _ledger, _lower, _plans, _staging
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool
 from meshcomm.backends.base import Communicator, Runner
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
 
 __all__ = ["Issuer"]
+
+#: A plan of a host call or of a device call (both kept in one cache per group).
+_AnyPlan = TypeVar("_AnyPlan", _plans.Plan, _device_lower.DevicePlan)
 
 #: At most this many plans per group (a loop calls a few signatures; the oldest goes first).
 _PLANS = 256
@@ -108,7 +111,7 @@ class Issuer:
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
         # One plan per call signature (_plans.Plan), made on first use, dropped by close().
-        self.plans: dict[tuple[Any, ...], _plans.Plan] = {}
+        self.plans: dict[tuple[Any, ...], _plans.Plan | _device_lower.DevicePlan] = {}
 
     def relabel(self, where: str) -> None:
         """Name this rank and group ``where`` in messages from now on."""
@@ -227,23 +230,59 @@ class Issuer:
             return result
         return Work.completed(f"{op} on {self._where}", result)
 
+    def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
+        """Run a device call's ``plan`` on ``x`` (a C-contiguous device array of its
+        signature) on the caller's thread, as :meth:`issue_on_device` runs a lowered one.
+
+        The fast case takes the claimed engine with only the sequence number and the
+        ledger entry around the runner (no stamp: device calls carry none). A call that
+        needs more (a ``DETAIL`` or first-call check, a trace) or finds the engine taken
+        goes through :meth:`issue_on_device` with the same runner.
+        """
+        engine = self.engine
+        seen = self._device_seen if self._stamper is not None else self._seen
+        if (
+            self.debug
+            or _trace.active is not None
+            or (seen is not None and plan.sig not in seen)
+            or not engine.claim()
+        ):
+            run = plan.run
+
+            def body() -> Any:
+                return run(x)
+
+            return self.issue_on_device(plan.collective, (body, plan.fields), async_op)
+        self.seq = seq = self.seq + 1
+        name, book = plan.collective, self.book
+        entry = book.add(seq, name, plan.dtype, plan.in_shape, plan.ledger_fields)
+        try:
+            result = plan.run(x)
+            book.end(entry, False)
+        except BaseException as exc:
+            engine.poison(exc, f"{name} (op #{seq}) on {self._where}")
+            self._raise_judged(exc, name, seq, entry)
+        finally:
+            engine.release()
+        if async_op:
+            return Work.completed(f"{name} on {self._where}", result)
+        return result
+
     # -- planned calls -------------------------------------------------------------------
-    def plan(
-        self, key: tuple[Any, ...], make: Callable[..., _plans.Plan], *args: Any
-    ) -> _plans.Plan:
+    def plan(self, key: tuple[Any, ...], make: Callable[..., _AnyPlan], *args: Any) -> _AnyPlan:
         """The plan of the call signature ``key`` (its first item the collective's name):
         the group's cached one, else a new one, ``make(call, *args)`` (every check of the
         lowering, so every error is raised here, before any I/O), kept under ``key``."""
         try:
-            return self.plans[key]
+            return cast(_AnyPlan, self.plans[key])
         except (KeyError, TypeError):  # a new signature (or an unhashable argument)
             pass
         # Made outside the handler: its errors come without a KeyError as their context.
         return self._new_plan(key, make, *args)
 
     def _new_plan(
-        self, key: tuple[Any, ...], make: Callable[..., _plans.Plan], *args: Any
-    ) -> _plans.Plan:
+        self, key: tuple[Any, ...], make: Callable[..., _AnyPlan], *args: Any
+    ) -> _AnyPlan:
         plan = make(self.enter(key[0]), *args)
         plans = self.plans
         if len(plans) >= _PLANS:

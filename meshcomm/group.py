@@ -345,11 +345,17 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and factor is None:
             plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
             return self._run_plan(plan, x, async_op)
-        c = self._enter("all_reduce")
         d = self._device
         if d is not None and (xp := _staging.family(x)) is not None:
+            gpu: Any = x
+            if factor is None and gpu.flags.c_contiguous:
+                key = ("all_reduce", "device", gpu.dtype, gpu.shape, op)
+                planned = self._plan(key, _device_lower.plan_all_reduce, d, xp, gpu, op)
+                return self._issuer.run_device_plan(planned, gpu, async_op)
+            c = self._enter("all_reduce")
             on_device = _device_lower.all_reduce(c, d, xp, x, op, factor)
             return self._issue_on_device("all_reduce", on_device, async_op)
+        c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
         lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
         return self._issue("all_reduce", lowered, async_op, dev)

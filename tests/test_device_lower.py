@@ -47,6 +47,18 @@ def _compare(group: Any) -> list[str]:
 
     rng = np.random.default_rng(7 + me)
     x = rng.integers(-5, 5, size=(n, 3, 2 * n)).astype(np.float64)
+    flat, issuer = x.reshape(-1), group._issuer
+    for op in ("sum", "max", "avg"):  # the planned all_reduce, through the issuer's route
+        plan = _device_lower.plan_all_reduce(call("all_reduce"), comm, np, flat, op)
+        expected = group.all_reduce(flat, op)
+        for async_op in (False, True, False):  # first call checked, then the fast case
+            seq = issuer.seq
+            got = issuer.run_device_plan(plan, flat, async_op)
+            got = got.wait(timeout=30) if async_op else got
+            check(f"planned all_reduce {op} async={async_op}", (lambda g=got: g, None), expected)
+            last = group.ledger()[-1]
+            if issuer.seq != seq + 1 or (last["op"], last["device"]) != ("all_reduce", True):
+                problems.append(f"rank {me}: planned all_reduce {op}: not one call in order")
     strided = x[:, ::-1, ::2]  # not contiguous
     for arr in (x, strided):
         for op in ("sum", "max", "avg"):
