@@ -135,11 +135,18 @@ def overlap_step(mesh: DeviceMesh) -> int:
     pending = ops.pmean(grads, "dp", async_op=True)  # in flight on the 'dp' groups
     h = ops.psum(np.float64(tp), "tp")  # runs now, on the 'tp' groups
     mean = pending.wait(timeout=60)
+    # A DDP-style bucket reduced where it lies (out=): no copy of it, even async.
+    bucket = np.full(1 << 18, float(dp + 1))
+    work = mesh.get_group("dp").all_reduce(bucket, "avg", out=bucket, async_op=True)
+    h2 = ops.psum(np.float64(tp), "tp")
     n_dp, n_tp = mesh.size("dp"), mesh.size("tp")
     ok = bool(mean[0] == mean[-1] == (n_dp + 1) / 2) and float(h) == n_tp * (n_tp - 1) / 2
+    ok = ok and work.wait(timeout=60) is bucket and bool(bucket[-1] == (n_dp + 1) / 2)
+    ok = ok and float(h2) == float(h)
     if mesh.get_rank() == 0:
         verdict = "ok" if ok else "FAILED"
         print(f"  a psum over 'tp' while the 'dp' gradient pmean was in flight: {verdict}")
+        print(f"  the same with the gradient bucket reduced in place (out=): {verdict}")
     return 0 if ok else 1
 
 
