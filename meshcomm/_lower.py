@@ -80,6 +80,7 @@ __all__ = [
     "scatter",
     "send",
     "split_blocks",
+    "tag_arg",
 ]
 
 #: What a lowering returns: the body to run in order, and the debug fingerprint fields.
@@ -167,7 +168,8 @@ def axis_arg(where: str, axis: Any, ndim: int, name: str) -> int:
     return a % ndim
 
 
-def _tag(where: str, tag: Any) -> int:
+def tag_arg(where: str, tag: Any) -> int:
+    """``tag`` as an int in ``[0, 2**31)``; InvalidArgument otherwise."""
     t = int_arg(where, tag, "tag")
     if not 0 <= t < 2**31:
         raise InvalidArgument(f"{where}: tag must be in [0, 2**31), got {tag!r}")
@@ -614,7 +616,7 @@ def barrier(c: Call) -> Lowered:
 # -- point to point ------------------------------------------------------------------------
 def send(c: Call, x: Any, dst: Any, tag: Any, snapshot: bool = True) -> Lowered:
     d = rank_arg(c, dst, "dst")
-    t = _tag(c.where, tag)
+    t = tag_arg(c.where, tag)
     arr, dt = input_array(c, x)
     comm, pool = c.comm, c.pool
     base, buf = _send_side(c, arr, dt, snapshot)
@@ -629,7 +631,7 @@ def send(c: Call, x: Any, dst: Any, tag: Any, snapshot: bool = True) -> Lowered:
 
 def recv(c: Call, src: Any, tag: Any, return_source: bool) -> Lowered:
     s = None if src is None else rank_arg(c, src, "src")
-    t = _tag(c.where, tag)
+    t = tag_arg(c.where, tag)
     comm = c.comm
 
     def body() -> Any:

@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshcomm import _device_lower, _fingerprint, _lower, _plans, _staging
+from meshcomm import _device_lower, _device_p2p, _fingerprint, _lower, _plans, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm._issuing import Issuer
 from meshcomm._subgroups import SubGroups
@@ -158,6 +158,7 @@ class ProcessGroup(SubGroups):
         self._run_plan = issuer.run_plan
         self._issue_on_device = issuer.issue_on_device
         self._children = 0
+        self._p2p: _device_p2p.DeviceP2P | None = None  # made on the first device p2p call
         # Closing a group closes the groups made from it before its communicator (they may
         # share its resources: the MPI world, the tcp store).
         self._kids: list[ProcessGroup] = []
@@ -753,6 +754,8 @@ class ProcessGroup(SubGroups):
             array([0, 1, 2])
         """
         c = self._enter("send")
+        if _staging.family(x) is not None and (p2p := self._device_p2p()) is not None:
+            return self._issue("send", p2p.send(c, x, dst, tag, bool(async_op)), async_op)
         x, dev = _staging.to_host(x)
         return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op, dev)
 
@@ -763,30 +766,69 @@ class ProcessGroup(SubGroups):
         *,
         return_source: bool = False,
         async_op: bool = False,
+        out: Any = None,
     ) -> Any:
         """Receive an array sent with ``tag`` from group rank ``src`` (None: any rank).
+
+        In a group with a device backend (nccl), a device array sent arrives over it and
+        comes back as a device array (into ``out`` where that is one of the same shape and
+        dtype): between two ranks such arrays are received in the order they were sent,
+        whatever their tags (NCCL matches by order). See docs/backends/nccl.md.
 
         Args:
             src: the sending group rank, or None for any.
             tag: the tag the sender used.
             return_source: also return the sender's group rank.
             async_op: return a Work.
+            out: receive into this array (numpy or device) instead of a new one: it must
+                have the sender's shape and dtype.
 
         Returns:
-            The received array (a new one, with the sender's shape and dtype), or
-            ``(array, src)`` with ``return_source=True``.
+            The received array (a new one, with the sender's shape and dtype; ``out`` when
+            given), or ``(array, src)`` with ``return_source=True``.
 
         Raises:
-            InvalidArgument: src or tag out of range.
+            InvalidArgument: src or tag out of range, or ``out`` not a writeable array
+                (before any I/O); ``out`` not of the shape and dtype sent (the message is
+                consumed then and the group fails, as MPI's truncation error).
+            ProtocolError: device arrays from one rank received out of their order.
             CommError: communication failed (CommTimeout when nothing arrives in time).
 
         Example:
             >>> g = ProcessGroup(SelfCommunicator())
             >>> g.send(np.float32(2.5), dst=0); g.recv(return_source=True)
             (array(2.5, dtype=float32), 0)
+            >>> buf = np.zeros(2)
+            >>> g.send(np.ones(2), dst=0); g.recv(out=buf) is buf
+            True
         """
         c = self._enter("recv")
-        return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
+        p2p = self._device_p2p()
+        if p2p is not None:
+            return self._issue("recv", p2p.recv(c, src, tag, out, return_source), async_op)
+        if out is None:
+            return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
+        _device_p2p.check_out_buffer(c, out)
+        body, fields = _lower.recv(c, src, tag, True)
+        where = c.where
+
+        def into_out() -> Any:
+            arr, source = body()
+            got = _device_p2p.fill(where, out, arr, source)
+            return (got, source) if return_source else got
+
+        return self._issue("recv", (into_out, fields), async_op)
+
+    def _device_p2p(self) -> _device_p2p.DeviceP2P | None:
+        """The device point to point of this group, made on first use; None without a
+        device backend, or where the host backend cannot carry its headers (mpi)."""
+        p2p = self._p2p
+        if p2p is None and self._device is not None and self._comm.backend_name != "mpi":
+            import importlib
+
+            xp = importlib.import_module(self._device.array_module)
+            p2p = self._p2p = _device_p2p.DeviceP2P(self._comm, self._device, xp)
+        return p2p
 
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
         device = None

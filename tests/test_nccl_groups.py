@@ -203,3 +203,63 @@ def test_torch_cuda_tensors_over_nccl_keep_their_kind_and_gradients() -> None:
         pytest.skip("torch is not installed")
     for problems in run_ranks(_torch_on_nccl, 1, backend=PAIR, timeout=240):
         assert problems == [], "\n".join(problems)
+
+
+def _p2p_on_nccl(group: Any) -> list[str]:
+    """send/recv of device arrays at world 1: to itself (kept, not over NCCL), async, into
+    cupy and numpy buffers, host messages between them; and the payload routes inside one
+    NCCL group call (NCCL pairs a rank's send to itself only there)."""
+    import cupy as cp
+
+    problems: list[str] = []
+
+    def same(what: str, got: Any, expected: np.ndarray, kind: type = cp.ndarray) -> None:
+        if not isinstance(got, kind):
+            problems.append(f"{what}: got a {type(got).__name__}, expected {kind.__name__}")
+            return
+        host = cp.asnumpy(got)
+        if host.shape != expected.shape or host.dtype != expected.dtype:
+            problems.append(f"{what}: {host.dtype}{host.shape} != {expected.dtype}{expected.shape}")
+        elif not np.array_equal(host, expected):
+            problems.append(f"{what}: values differ")
+
+    values = [np.arange(6.0).reshape(2, 3), np.float32(1.5) * np.ones((), np.float32),
+              np.zeros((0, 3), np.int8), np.arange(8, dtype=np.int64)]  # fmt: skip
+    for k, v in enumerate(values):
+        group.send(cp.asarray(v), dst=0, tag=k)
+        group.send(v, dst=0, tag=k)  # a host message on the same tag
+    for k, v in enumerate(values):
+        same(f"device message {k}", group.recv(0, k), v)
+        same(f"host message {k}", group.recv(0, k), v, np.ndarray)
+    strided = cp.arange(12.0).reshape(3, 4)[:, ::2]
+    work = group.send(strided, dst=0, tag=9, async_op=True)
+    strided[...] = -1  # after an async send: the copy was taken at issue
+    work.wait()
+    out = cp.empty((3, 2))
+    got = group.recv(0, 9, out=out, async_op=True).wait()
+    if got is not out:
+        problems.append("recv into a cupy out returned another array")
+    same("async strided into out", out, np.arange(12.0).reshape(3, 4)[:, ::2])
+    group.send(cp.ones(4, cp.float32), dst=0, tag=10)
+    host_out = np.zeros(4, np.float32)
+    same("into a numpy out", group.recv(0, 10, out=host_out), np.ones(4, np.float32), np.ndarray)
+    # The payload routes, paired by one NCCL group call.
+    dev = group._device
+    x, y = cp.arange(5, dtype=cp.float32), cp.zeros(5, dtype=cp.float32)
+    token = dev.ready_token()
+    dev._nccl_mod.groupStart()
+    try:
+        dev.send_payload(x, 0, token)
+        dev.recv_payload(y, 0, token)
+    finally:
+        dev._nccl_mod.groupEnd()
+    cp.cuda.Device().synchronize()
+    same("payload routes", y, np.arange(5, dtype=np.float32))
+    return problems
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_device_arrays_point_to_point_at_world_1() -> None:
+    for problems in run_ranks(_p2p_on_nccl, 1, backend=PAIR, timeout=120):
+        assert problems == [], "\n".join(problems)

@@ -14,13 +14,17 @@ Besides the abstract primitives, the class declares the optional routes a backen
 ``all_reduce_out`` and ``broadcast_out`` (out of place; the defaults copy, then run the
 in-place primitive), :meth:`Communicator.runner` (a runner prepared for one call signature;
 default None: not offered), :meth:`Communicator.check_all_gather` (default: ``all_gather``)
-and :meth:`Communicator.grid_splitter` (default None: no grid primitive).
+and :meth:`Communicator.grid_splitter` (default None: no grid primitive), and the payload
+routes of device point-to-point (:meth:`Communicator.send_payload`,
+:meth:`Communicator.recv_payload`, :meth:`Communicator.ready_token`; defaults over
+``permute``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,12 +48,14 @@ class Communicator(ABC):
         size: number of processes in the communicator.
         global_ranks: world rank of each communicator rank.
         backend_name: "tcp", "mpi", "nccl" or "self".
+        array_module: the module of the arrays it moves ("numpy"; nccl: "cupy").
         timeout: seconds a blocking call waits for a peer.
         label: how errors name this communicator's group, in the user's words ("on group
             'world'", "over 'tp'"; see :meth:`describe_as`); never an internal id.
     """
 
     backend_name: str = "abstract"
+    array_module: str = "numpy"
 
     def __init__(self, rank: int, global_ranks: Sequence[int], timeout: float) -> None:
         self.rank = rank
@@ -199,6 +205,25 @@ class Communicator(ABC):
     @abstractmethod
     def permute(self, send: np.ndarray, dst: int | None, recv: np.ndarray, src: int | None) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (either may be None)."""
+
+    def ready_token(self) -> Any:
+        """What orders a later :meth:`send_payload` / :meth:`recv_payload` after the work
+        the caller has queued so far, taken now, on the caller's thread (nccl: an event
+        recorded on the caller's current CUDA stream, and that stream). Default None: host
+        memory needs no ordering."""
+        return None
+
+    def send_payload(self, array: np.ndarray, dst: int, after: Any = None) -> None:
+        """Send the bytes of C-contiguous ``array`` to ``dst`` (not this rank) with nothing
+        around them: the receiver learned shape and dtype from a header sent its own way
+        (:mod:`meshcomm._device_p2p`). Payloads between two ranks match in the order sent.
+        ``after``: a :meth:`ready_token`. Default: :meth:`permute` with only a send."""
+        self.permute(array, dst, array, None)
+
+    def recv_payload(self, out: np.ndarray, src: int, after: Any = None) -> None:
+        """Receive the next payload from ``src`` (not this rank) into C-contiguous ``out``
+        (see :meth:`send_payload`). Default: :meth:`permute` with only a receive."""
+        self.permute(out, None, out, src)
 
     # -- groups and lifetime -------------------------------------------------------------
     @abstractmethod

@@ -104,6 +104,7 @@ class NcclCommunicator(Communicator):
     """
 
     backend_name = "nccl"
+    array_module = "cupy"
 
     def __init__(
         self,
@@ -254,19 +255,30 @@ class NcclCommunicator(Communicator):
                 comm.abort()
 
     # -- queueing ------------------------------------------------------------------------
-    def _queue(self, what: str, launch: Callable[[Any, int], None], reuse: bool = True) -> Any:
+    def _queue(
+        self,
+        what: str,
+        launch: Callable[[Any, int], None],
+        reuse: bool = True,
+        after: tuple[Any, Any] | None = None,
+    ) -> Any:
         """Run ``launch(nccl_comm, stream_ptr)`` on this communicator's stream, ordered after
         the caller's current stream and before its later work; return the done event.
 
         ``reuse``: the done event may be recorded again once it completed (False where the
-        caller waits on it: another thread's call could record it meanwhile)."""
+        caller waits on it: another thread's call could record it meanwhile). ``after``: a
+        :meth:`ready_token` taken earlier (a call run later on another thread): its event
+        and stream stand for the caller's."""
         comm = self._ready(what)
-        caller = self._cp.cuda.get_current_stream()
         stream = self._stream
-        # cudaStreamWaitEvent takes the event as last recorded, so one event serves every
-        # call; the done event is new each time (the watchdog holds it until it completes).
-        ready = self._caller_ready
-        ready.record(caller)
+        if after is None:
+            caller = self._cp.cuda.get_current_stream()
+            # cudaStreamWaitEvent takes the event as last recorded, so one event serves every
+            # call; the done event is new each time (the watchdog holds it until it completes).
+            ready = self._caller_ready
+            ready.record(caller)
+        else:
+            ready, caller = after
         stream.wait_event(ready)
         try:
             launch(comm, stream.ptr)
@@ -459,6 +471,25 @@ class NcclCommunicator(Communicator):
                 f"with tag {tag}, but it sent itself nothing with that tag (waiting: tags {tags})"
             )
         return waiting.pop(0)
+
+    def ready_token(self) -> tuple[Any, Any]:
+        """An event recorded now on the caller's current stream, and that stream."""
+        caller = self._cp.cuda.get_current_stream()
+        ready = self._event()
+        ready.record(caller)
+        return ready, caller
+
+    def send_payload(self, array: Any, dst: int, after: Any = None) -> None:
+        """Send ``array``'s bytes to ``dst`` alone (no header: see the base class)."""
+        nbytes, ptr = _nbytes(array), _address(array)
+        if nbytes:
+            self._queue("send", lambda c, s: c.send(ptr, nbytes, _lib.BYTES, dst, s), True, after)
+
+    def recv_payload(self, out: Any, src: int, after: Any = None) -> None:
+        """Receive the next payload from ``src`` into ``out`` (see the base class)."""
+        nbytes, ptr = _nbytes(out), _address(out)
+        if nbytes:
+            self._queue("recv", lambda c, s: c.recv(ptr, nbytes, _lib.BYTES, src, s), True, after)
 
     def permute(self, send: Any, dst: int | None, recv: Any, src: int | None) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (either may be None)."""
