@@ -54,6 +54,7 @@ __all__ = [
     "DevicePlan",
     "all_gather",
     "all_reduce",
+    "all_reduce_into",
     "all_to_all",
     "broadcast",
     "gather",
@@ -113,6 +114,54 @@ def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, fact
 
     def body() -> Any:
         dev.all_reduce_out(send, flat_out, prim)
+        if rop is ReduceOp.AVG:
+            xp.true_divide(out, size, out=out)
+        return out
+
+    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+
+
+def all_reduce_into(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: Any, out: Any
+) -> Lowered:
+    """Lower ``all_reduce`` of a device array into the caller's ``out`` (``x`` itself: in
+    place), checked first: ``out`` a C-contiguous array of ``x``'s module, shape and dtype.
+
+    Example:
+        >>> import numpy as np
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm._arrays import ScratchPool
+        >>> comm, x = SelfCommunicator(), np.arange(3.0)
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> body, _ = all_reduce_into(c, comm, np, x, "avg", None, x)
+        >>> body() is x
+        True
+    """
+    dt = check_dtype(x.dtype, c.where)
+    if (
+        type(out) is not type(x)
+        or not out.flags.c_contiguous
+        or tuple(out.shape) != tuple(x.shape)
+        or out.dtype != x.dtype
+    ):
+        raise InvalidArgument(
+            f"{c.where}: out must be a C-contiguous {type(x).__name__} of x's shape "
+            f"{tuple(x.shape)} and dtype {x.dtype}; got {type(out).__name__} of shape "
+            f"{tuple(getattr(out, 'shape', ()))} and dtype {getattr(out, 'dtype', None)}"
+        )
+    rop, f = reduce_op_and_factor(c, op, dt, factor)
+    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    dev.check_reduction(dt, prim, c.where)
+    if f is not None:
+        send = _scale(xp, x, f)
+    elif x.flags.c_contiguous:
+        send = x
+    else:
+        send = xp.ascontiguousarray(x)
+    size = c.size
+
+    def body() -> Any:
+        dev.all_reduce_out(send, out, prim)
         if rop is ReduceOp.AVG:
             xp.true_divide(out, size, out=out)
         return out

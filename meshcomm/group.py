@@ -317,11 +317,12 @@ class ProcessGroup(SubGroups):
             async_op: return a :class:`~meshcomm.work.Work` instead of the result.
             out: write the result here instead of into a new array: a writeable
                 C-contiguous numpy array of ``x``'s shape and dtype (a numpy array too), or
-                ``x`` itself to reduce in place. No copy of ``x`` is taken, so with
-                ``async_op`` neither ``x`` nor ``out`` may change until the Work completes
-                (MPI's rule for nonblocking buffers, and torch's for ``async_op``); the DDP
-                pattern, a gradient bucket reduced in place behind other work, needs no
-                extra pass over memory this way.
+                ``x`` itself to reduce in place; with a device backend, a device ``x`` and
+                ``out`` of one shape and dtype (NCCL reduces in place when they are one).
+                No copy of ``x`` is taken, so with ``async_op`` neither ``x`` nor ``out``
+                may change until the Work completes (MPI's rule for nonblocking buffers,
+                and torch's for ``async_op``); the DDP pattern, a gradient bucket reduced
+                in place behind other work, needs no extra pass over memory this way.
 
         Returns:
             A new array with ``x``'s shape and dtype (``out`` when given).
@@ -366,6 +367,10 @@ class ProcessGroup(SubGroups):
         runs into ``out`` (a ``premul_sum``, whose factor is no part of a plan, is lowered
         per call and its result copied into ``out``)."""
         c = self._enter("all_reduce")
+        d = self._device
+        if d is not None and (xp := _staging.family(x)) is not None:
+            lowered = _device_lower.all_reduce_into(c, d, xp, x, op, factor, out)
+            return self._issue_on_device("all_reduce", lowered, async_op)
         _lower.check_out(c, x, out)
         if factor is not None:
             body, fields = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))

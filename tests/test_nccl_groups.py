@@ -188,10 +188,30 @@ def _torch_on_nccl(group: Any) -> list[str]:
         if x.grad is None or not torch.equal(x.grad, 2 * x.detach() * group.size):
             problems.append(f"psum gradient {x.grad}")
     dist.init_process_group("nccl")
+    n = float(group.size)
     t = torch.ones(5, device="cuda")
     dist.all_reduce(t)
-    if not torch.equal(t, torch.full((5,), float(group.size), device="cuda")):
+    if not torch.equal(t, torch.full((5,), n, device="cuda")):
         problems.append(f"compat all_reduce {t}")
+    last = group.ledger()[-1]
+    if (last["op"], last["device"]) != ("all_reduce", True):
+        problems.append(f"compat all_reduce of a CUDA tensor did not go over NCCL: {last}")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # torch's current stream is cupy's for the call
+        u = torch.full((1 << 20,), 2.0, device="cuda")
+        work = dist.all_reduce(u, dist.ReduceOp.AVG, async_op=True)
+        work.wait()
+        total = float((u * 3).sum())
+    if total != 6.0 * (1 << 20):
+        problems.append(f"compat async avg on a side stream: {total}")
+    b = torch.arange(4.0, device="cuda")
+    dist.broadcast(b, src=0)
+    if not torch.equal(b, torch.arange(4.0, device="cuda")):
+        problems.append(f"compat broadcast {b}")
+    h = torch.ones(3, dtype=torch.bfloat16, device="cuda")  # bfloat16: through host memory
+    dist.all_reduce(h)
+    if not torch.equal(h, torch.full((3,), n, dtype=torch.bfloat16, device="cuda")):
+        problems.append(f"compat bfloat16 all_reduce {h}")
     dist.destroy_process_group()
     return problems
 

@@ -44,7 +44,13 @@ from meshcomm.distributed._errors import public
 from meshcomm.distributed._groups import canonical_rank
 from meshcomm.distributed._reduce_op import ReduceOp
 from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
-from meshcomm.distributed._tensors import Buffer, as_buffer, as_buffer_list, same_dtype
+from meshcomm.distributed._tensors import (
+    Buffer,
+    as_buffer,
+    as_buffer_list,
+    device_stream,
+    same_dtype,
+)
 from meshcomm.distributed._work import Work
 
 __all__ = [
@@ -101,8 +107,20 @@ def broadcast(
     root = canonical_rank(pg, src, group_src, "src")
     STATE.flush()
     mine = root == pg.rank()
-    x = flat(buf) if mine else None
     g = pg.mesh_group
+    on_device = buf.device_view(g)
+    if on_device is not None:  # over the device backend: every rank passes its tensor
+
+        def broadcast_on_device(a: bool) -> Any:
+            with device_stream(buf):
+                return g.broadcast(on_device, root, async_op=a)
+
+        def written_unless_root(res: Any) -> None:
+            if not mine:
+                buf.write(res)
+
+        return run("broadcast", broadcast_on_device, [tensor], written_unless_root, async_op)
+    x = flat(buf) if mine else None
 
     def issue(a: bool) -> Any:
         return g.broadcast(x, root, shape=(buf.numel,), dtype=buf.dtype, async_op=a)
@@ -140,6 +158,14 @@ def all_reduce(
         return None
     g = pg.mesh_group
     mine = buf.in_place
+    on_device = buf.device_view(g)
+    if on_device is not None:  # over the device backend, in place (NCCL's own)
+
+        def reduce_on_device(a: bool) -> Any:
+            with device_stream(buf):
+                return g.all_reduce(on_device, mop, factor=factor, async_op=a, out=on_device)
+
+        return run("all_reduce", reduce_on_device, [tensor], _written, async_op)
     if mine is not None:  # reduced where it lies: no copy in or out, async included
 
         def reduce_in_place(a: bool) -> Any:

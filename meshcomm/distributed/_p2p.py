@@ -4,6 +4,11 @@ The sender's dtype and shape travel with each message; a receive checks them aga
 caller's tensor (same dtype and number of elements) before writing into it, where torch's
 backends copy raw bytes (or abort the process, for a size mismatch).
 
+Device tensors (cupy arrays, torch CUDA tensors other than bfloat16) in a world with a
+device backend (``init_process_group("nccl")`` where cupy sees a GPU) go over it: a CUDA
+tensor sent arrives over NCCL, and the receive copies it into the caller's tensor on the
+device. Elsewhere they go through host memory.
+
 Ordering: all operations of a world run one at a time in issue order (meshcomm's progress
 engine). Sends complete once written (they never wait for the matching receive), but a
 receive blocks the engine until its message arrives. So that the common pattern "post
@@ -35,7 +40,7 @@ from meshcomm.distributed._errors import DistBackendError, public
 from meshcomm.distributed._groups import canonical_rank
 from meshcomm.distributed._pg import ProcessGroup
 from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
-from meshcomm.distributed._tensors import Buffer, as_buffer, dtype_text
+from meshcomm.distributed._tensors import Buffer, as_buffer, device_stream, dtype_text
 from meshcomm.distributed._work import Work
 
 __all__ = ["P2POp", "batch_isend_irecv", "fill_received", "irecv", "isend", "recv", "send"]
@@ -90,7 +95,9 @@ def send(
             "Invalid destination rank: destination rank should not be the same as the rank "
             "of the current process."
         )
-    pg.mesh_group.send(buf.host, peer, tag)
+    g = pg.mesh_group
+    with device_stream(buf):
+        g.send(buf.for_group(g), peer, tag)
 
 
 @public
@@ -108,7 +115,9 @@ def isend(
         warn_not_in_group("isend")
         return None
     peer = canonical_rank(pg, dst, group_dst, "dst")
-    inner = pg.mesh_group.send(buf.host, peer, tag, async_op=True)
+    g = pg.mesh_group
+    with device_stream(buf):
+        inner = g.send(buf.for_group(g), peer, tag, async_op=True)
     return Work("isend", [tensor]).attach([inner])
 
 
@@ -172,7 +181,8 @@ def recv(
         return -1
     peer = _recv_source(pg, src, group_src)
     STATE.flush()
-    arr, source = pg.mesh_group.recv(peer, tag, return_source=True)
+    with device_stream(buf):  # a device array sent arrives as one, ordered on this stream
+        arr, source = pg.mesh_group.recv(peer, tag, return_source=True)
     fill_received(buf, arr, pg, source)
     return pg.global_rank_of(source)
 

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -117,12 +118,29 @@ class Buffer:
             return None
         return v
 
-    def write(self, values: np.ndarray) -> None:
-        """Copy ``values`` (same number of elements and dtype) into the caller's object."""
+    def device_view(self, group: Any) -> Any | None:
+        """The caller's GPU memory as a cupy array, for ``group`` (a meshcomm group) to move
+        over its device backend; None where the values go through host memory: a host
+        kind, a group without a device backend, or bfloat16 (cupy has no such dtype)."""
+        if self.kind not in _DEVICE_KINDS or group.device_backend is None or self.dtype == _BF16:
+            return None
+        return _cupy_view(self)
+
+    def for_group(self, group: Any) -> Any:
+        """What to hand ``group``: :meth:`device_view` where there is one, else :attr:`host`."""
+        view = self.device_view(group)
+        return self.host if view is None else view
+
+    def write(self, values: Any) -> None:
+        """Copy ``values`` (same number of elements and dtype; numpy, or cupy for a device
+        kind) into the caller's object."""
         if self._view is not None:
             np.copyto(self._view, values.reshape(self.shape))
-            return
-        _host_to_device(self, values.reshape(self.shape))
+        elif isinstance(values, np.ndarray):
+            _host_to_device(self, values.reshape(self.shape))
+        else:  # a device result, copied on the device (the caller's stream: device_stream)
+            with device_stream(self):
+                _cupy_view(self)[...] = values.reshape(self.shape)
 
     def check_writable(self) -> None:
         """Raise ValueError before any I/O if results cannot be written into the object."""
@@ -274,6 +292,20 @@ def same_dtype(buffers: Sequence[Buffer]) -> None:
 
 
 # -- device kinds (need a GPU; exercised only where one is present) --------------------------
+_DEVICE_KINDS = ("cupy", "torch-cuda")
+
+
+def device_stream(buf: Buffer) -> contextlib.AbstractContextManager[Any]:
+    """Make torch's current CUDA stream cupy's too, for work on a torch tensor's memory
+    (cupy's own stream otherwise), so that torch's later work sees the result in order."""
+    if buf.kind != "torch-cuda":
+        return contextlib.nullcontext()
+    import cupy
+    import torch
+
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(buf.obj.device).cuda_stream)
+
+
 def _cupy_view(buf: Buffer) -> Any:
     import cupy
 
