@@ -14,9 +14,20 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from collections.abc import Callable
+
 from meshcomm.errors import InvalidArgument
 
-__all__ = ["DEVICE_BACKENDS", "HOST_BACKENDS", "canonical", "matches", "parse_backend"]
+__all__ = [
+    "DEVICE_BACKENDS",
+    "HOST_BACKENDS",
+    "canonical",
+    "gpu_per_local_rank",
+    "matches",
+    "parse_backend",
+]
 
 #: Backends that move host (numpy) arrays.
 HOST_BACKENDS = ("tcp", "mpi", "self")
@@ -84,3 +95,39 @@ def _unknown(spec: str) -> str:
     return (
         f"unknown backend {spec!r}; known backends: {names}, or pairs such as 'cpu:tcp,cuda:nccl'"
     )
+
+
+def gpu_per_local_rank(
+    world_size: int,
+    local_world_size: int | None,
+    gpu_count: Callable[[], int] | None = None,
+) -> bool:
+    """Whether ``init`` without a backend name pairs tcp with nccl here: this host has an
+    NVIDIA driver, cupy is installed, and it sees a GPU for every rank on this host (the
+    local world size known from the launcher; a world of one is one rank). Ranks sharing a
+    GPU (NCCL refuses two ranks on one) and hosts whose rank count is unknown keep staging.
+
+    Nothing is imported on a host without ``/dev/nvidiactl`` or without cupy; otherwise
+    ``gpu_count`` (default: cupy's, which honours ``CUDA_VISIBLE_DEVICES``) is asked.
+
+    Example:
+        >>> gpu_per_local_rank(2, 2, gpu_count=lambda: 1)  # on a host with the driver
+        False
+    """
+    local = local_world_size if local_world_size is not None else (1 if world_size == 1 else 0)
+    if local < 1:
+        return False
+    if gpu_count is None:
+        if not os.path.exists("/dev/nvidiactl") or importlib.util.find_spec("cupy") is None:
+            return False
+        gpu_count = _cupy_gpu_count
+    try:
+        return gpu_count() >= local
+    except Exception:  # no driver or device after all: cupy's CUDA errors
+        return False
+
+
+def _cupy_gpu_count() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())

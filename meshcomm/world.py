@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshcomm._backend_spec import canonical, parse_backend
+from meshcomm._backend_spec import canonical, gpu_per_local_rank, parse_backend
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS, create_world_communicator
 from meshcomm.backends.base import Communicator
@@ -123,6 +123,14 @@ class World:
                 rdzv = rendezvous(
                     init_method, world_size, rank, seconds, store, env=env, generation=generation
                 )
+            unnamed = backend is None and not env.get(BACKEND_ENV, "").strip()
+            # Unnamed, with a GPU for each rank of this host (and cupy): tcp paired with nccl.
+            if (
+                unnamed
+                and name == DEFAULT_BACKEND
+                and gpu_per_local_rank(rdzv.world_size, rdzv.local_world_size)
+            ):
+                name = "cpu:tcp,cuda:nccl"
             try:
                 from meshcomm import trace
 
@@ -382,7 +390,9 @@ def init(
     Args:
         backend: "tcp", "mpi", "nccl" or "self". Default: ``MESHCOMM_BACKEND``, else "mpi"
             when ``mpiexec``/``mpirun``/``srun`` (with MPI) started the process and mpi4py is
-            installed (see :func:`choose_backend`), else "tcp"; a world of one on tcp runs
+            installed (see :func:`choose_backend`), else "tcp", paired with "nccl" for
+            device arrays where cupy sees a GPU for every rank of this host
+            (:func:`meshcomm._backend_spec.gpu_per_local_rank`); a world of one on tcp runs
             on "self". The mpi backend's world is ``MPI_COMM_WORLD`` and has no store
             (``group.store`` is None) unless ``init_method`` or ``store`` names one.
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.

@@ -71,6 +71,39 @@ def test_compat_nccl_without_a_gpu_stages_cuda_tensors_over_tcp() -> None:
     assert meshcomm_backend("cpu:mpi,cuda:nccl") == "mpi"
 
 
+@pytest.mark.parametrize(
+    ("world", "local", "gpus", "paired"),
+    [(1, None, 1, True), (1, None, 0, False), (4, 4, 4, True), (4, 4, 2, False),
+     (8, 2, 2, True), (2, None, 8, False), (2, 2, None, False)],
+    ids=["alone", "no GPU", "one each", "shared", "two hosts", "local unknown", "cuda error"],
+)  # fmt: skip
+def test_the_default_pairs_nccl_only_with_a_gpu_per_local_rank(
+    world: int, local: int | None, gpus: int | None, paired: bool
+) -> None:
+    from meshcomm._backend_spec import gpu_per_local_rank
+
+    def count() -> int:
+        if gpus is None:
+            raise RuntimeError("cudaErrorNoDevice")
+        return gpus
+
+    assert gpu_per_local_rank(world, local, gpu_count=count) is paired
+
+
+def test_init_without_a_name_stays_on_host_backends_without_a_gpu() -> None:
+    import os
+
+    import meshcomm
+
+    if os.path.exists("/dev/nvidiactl") and importlib.util.find_spec("cupy") is not None:
+        pytest.skip("this host has a GPU driver and cupy: the default may pair with nccl")
+    group = meshcomm.init(world_size=1, rank=0)
+    try:
+        assert group.backend == "self" and group.device_backend is None
+    finally:
+        meshcomm.shutdown()
+
+
 # == on a GPU ===============================================================================
 def _on_nccl(group: Any) -> list[str]:
     import cupy as cp
@@ -283,3 +316,19 @@ def _p2p_on_nccl(group: Any) -> list[str]:
 def test_device_arrays_point_to_point_at_world_1() -> None:
     for problems in run_ranks(_p2p_on_nccl, 1, backend=PAIR, timeout=120):
         assert problems == [], "\n".join(problems)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_init_without_a_name_pairs_nccl_where_each_local_rank_has_a_gpu() -> None:
+    import cupy as cp
+
+    import meshcomm
+
+    group = meshcomm.init(world_size=1, rank=0)
+    try:
+        assert group.backend == "cpu:self,cuda:nccl"
+        assert float(group.all_reduce(cp.ones(3)).sum()) == 3.0
+        assert group.ledger()[-1]["device"] is True
+    finally:
+        meshcomm.shutdown()
