@@ -79,15 +79,21 @@ def canonical(spec: str) -> str:
 def matches(asked: str, running: str) -> bool:
     """Whether a world running ``running`` (a ``group.backend``) is what ``asked`` names.
 
-    A world of one runs its host arrays on "self" whatever host backend was asked for.
+    A world of one runs its host arrays on "self" whatever host backend was asked for, and
+    a host backend asked alone is met by a world that also has a device backend (the
+    default pairs one where each rank has a GPU: a mesh cannot take it away).
 
     Example:
         >>> matches("nccl", "cpu:self,cuda:nccl"), matches("tcp", "cpu:tcp,cuda:nccl")
-        (True, False)
+        (True, True)
+        >>> matches("nccl", "tcp"), matches("mpi", "cpu:tcp,cuda:nccl")
+        (False, False)
     """
     host, device = parse_backend(asked)
     running_host, running_device = parse_backend(running)
-    return device == running_device and running_host in (host, "self")
+    if device is not None and device != running_device:
+        return False
+    return running_host in (host, "self")
 
 
 def _unknown(spec: str) -> str:
