@@ -215,7 +215,8 @@ def plan_all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
     dev.check_reduction(dt, prim, c.where)
     shape, size = tuple(x.shape), c.size
-    empty, reduce_out, divide = xp.empty, dev.all_reduce_out, xp.true_divide
+    # The ndarray constructor: what xp.empty calls, minus 0.5 us of Python on cupy.
+    empty, reduce_out, divide = xp.ndarray, dev.all_reduce_out, xp.true_divide
     if rop is ReduceOp.AVG:
 
         def run(x: Any) -> Any:

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -50,7 +51,7 @@ from meshcomm._lower import Call, Lowered, rank_arg, tag_arg
 from meshcomm.backends.base import Communicator
 from meshcomm.errors import InvalidArgument, ProtocolError
 
-__all__ = ["HEADER_DTYPE", "DeviceP2P", "is_header"]
+__all__ = ["HEADER_DTYPE", "DeviceP2P", "for_communicators", "is_header"]
 
 #: The dtype headers travel in: one the collectives refuse, so no caller's array has it.
 HEADER_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -173,6 +174,14 @@ class DeviceP2P:
 
     def _xp_of(self, x: Any) -> ModuleType:
         return np if isinstance(x, np.ndarray) else self._xp
+
+
+def for_communicators(host: Communicator, dev: Communicator) -> DeviceP2P | None:
+    """A group's device point to point over ``host`` and ``dev``; None where the host
+    backend cannot carry the headers' dtype (mpi: it moves the collectives' dtypes only)."""
+    if host.backend_name == "mpi":
+        return None
+    return DeviceP2P(host, dev, importlib.import_module(dev.array_module))
 
 
 def _device_buffer_like(out: Any, xp: ModuleType, shape: tuple[int, ...], dtype: np.dtype) -> bool:

@@ -158,7 +158,8 @@ class ProcessGroup(SubGroups):
         self._run_plan = issuer.run_plan
         self._issue_on_device = issuer.issue_on_device
         self._children = 0
-        self._p2p: _device_p2p.DeviceP2P | None = None  # made on the first device p2p call
+        # Made with the group (not on first use: two threads would count messages apart).
+        self._p2p = None if device is None else _device_p2p.for_communicators(comm, device)
         # Closing a group closes the groups made from it before its communicator (they may
         # share its resources: the MPI world, the tcp store).
         self._kids: list[ProcessGroup] = []
@@ -825,15 +826,9 @@ class ProcessGroup(SubGroups):
         return self._issue("recv", (into_out, fields), async_op)
 
     def _device_p2p(self) -> _device_p2p.DeviceP2P | None:
-        """The device point to point of this group, made on first use; None without a
-        device backend, or where the host backend cannot carry its headers (mpi)."""
-        p2p = self._p2p
-        if p2p is None and self._device is not None and self._comm.backend_name != "mpi":
-            import importlib
-
-            xp = importlib.import_module(self._device.array_module)
-            p2p = self._p2p = _device_p2p.DeviceP2P(self._comm, self._device, xp)
-        return p2p
+        """The device point to point of this group; None without a device backend, or where
+        the host backend cannot carry its headers (mpi)."""
+        return self._p2p
 
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
         device = None
