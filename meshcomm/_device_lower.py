@@ -108,9 +108,16 @@ def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, fact
     prim = ReduceOp.SUM if rop in COMPOSED else rop
     dev.check_reduction(dt, prim, c.where)
     send = _flat(xp, x if f is None else _scale(xp, x, f))
-    out = xp.empty(x.shape, dtype=x.dtype)
+    body = _reducing(xp, dev, send, xp.empty(x.shape, dtype=x.dtype), prim, rop, c.size)
+    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+
+
+def _reducing(
+    xp: ModuleType, dev: Communicator, send: Any, out: Any, prim: ReduceOp, rop: ReduceOp, size: int
+) -> Callable[[], Any]:
+    """The body that reduces flat C-contiguous ``send`` into C-contiguous ``out`` (``avg``:
+    then divides) and returns ``out``."""
     flat_out = _flat(xp, out)
-    size = c.size
 
     def body() -> Any:
         dev.all_reduce_out(send, flat_out, prim)
@@ -118,7 +125,7 @@ def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, fact
             xp.true_divide(out, size, out=out)
         return out
 
-    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+    return body
 
 
 def all_reduce_into(
@@ -152,20 +159,8 @@ def all_reduce_into(
     rop, f = reduce_op_and_factor(c, op, dt, factor)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
     dev.check_reduction(dt, prim, c.where)
-    if f is not None:
-        send = _scale(xp, x, f)
-    elif x.flags.c_contiguous:
-        send = x
-    else:
-        send = xp.ascontiguousarray(x)
-    size = c.size
-
-    def body() -> Any:
-        dev.all_reduce_out(send, out, prim)
-        if rop is ReduceOp.AVG:
-            xp.true_divide(out, size, out=out)
-        return out
-
+    send = _flat(xp, x if f is None else _scale(xp, x, f))
+    body = _reducing(xp, dev, send, out, prim, rop, c.size)
     return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
 
 

@@ -105,6 +105,14 @@ def test_init_without_a_name_stays_on_host_backends_without_a_gpu() -> None:
 
 
 # == on a GPU ===============================================================================
+def _compare(problems: list[str], what: str, host: np.ndarray, expected: np.ndarray) -> None:
+    """Add to ``problems`` where ``host`` (a result copied back) differs from ``expected``."""
+    if host.shape != expected.shape or host.dtype != expected.dtype:
+        problems.append(f"{what}: {host.dtype}{host.shape} != {expected.dtype}{expected.shape}")
+    elif not np.array_equal(host, expected):
+        problems.append(f"{what}: values differ")
+
+
 def _on_nccl(group: Any) -> list[str]:
     import cupy as cp
 
@@ -122,11 +130,7 @@ def _on_nccl(group: Any) -> list[str]:
         if not isinstance(got, cp.ndarray):
             problems.append(f"{what}: a cupy input gave a {type(got).__name__}")
             return
-        host = cp.asnumpy(got)
-        if host.shape != expected.shape or host.dtype != expected.dtype:
-            problems.append(f"{what}: {host.dtype}{host.shape} != {expected.dtype}{expected.shape}")
-        elif not np.array_equal(host, expected):
-            problems.append(f"{what}: values differ")
+        _compare(problems, what, cp.asnumpy(got), expected)
 
     if group.backend not in (PAIR, "cpu:self,cuda:nccl"):  # a world of one: "self"
         problems.append(f"group.backend is {group.backend!r}")
@@ -269,12 +273,8 @@ def _p2p_on_nccl(group: Any) -> list[str]:
     def same(what: str, got: Any, expected: np.ndarray, kind: type = cp.ndarray) -> None:
         if not isinstance(got, kind):
             problems.append(f"{what}: got a {type(got).__name__}, expected {kind.__name__}")
-            return
-        host = cp.asnumpy(got)
-        if host.shape != expected.shape or host.dtype != expected.dtype:
-            problems.append(f"{what}: {host.dtype}{host.shape} != {expected.dtype}{expected.shape}")
-        elif not np.array_equal(host, expected):
-            problems.append(f"{what}: values differ")
+        else:
+            _compare(problems, what, cp.asnumpy(got), expected)
 
     values = [np.arange(6.0).reshape(2, 3), np.float32(1.5) * np.ones((), np.float32),
               np.zeros((0, 3), np.int8), np.arange(8, dtype=np.int64)]  # fmt: skip
