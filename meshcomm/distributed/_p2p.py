@@ -9,8 +9,8 @@ device backend (``init_process_group("nccl")`` where cupy sees a GPU) go over it
 tensor sent arrives over NCCL, and the receive copies it into the caller's tensor on the
 device. Elsewhere they go through host memory.
 
-Ordering: all operations of a world run one at a time in issue order (meshcomm's progress
-engine). Sends complete once written (they never wait for the matching receive), but a
+Ordering: the operations of a group run one at a time in issue order (the group's
+progress engine; groups progress independently). Sends complete once written (they never wait for the matching receive), but a
 receive blocks the engine until its message arrives. So that the common pattern "post
 ``irecv``, then ``isend``, then wait" works on every rank, an ``irecv`` is *deferred*: it
 is issued when it is waited on (or tested), or when the next operation other than a send
