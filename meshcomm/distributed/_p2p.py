@@ -13,9 +13,9 @@ Ordering: the operations of a group run one at a time in issue order (the group'
 progress engine; groups progress independently). Sends complete once written (they never
 wait for the matching receive), but a receive blocks the engine until its message arrives.
 So that the common pattern "post ``irecv``, then ``isend``, then wait" works on every rank,
-an ``irecv`` is *deferred*: it
-is issued when it is waited on (or tested), or when the next operation other than a send
-is issued, whichever comes first; sends issued meanwhile go first. Receives keep their
+an ``irecv`` is *deferred*: it is issued when it is waited on (or tested), or when the next
+operation other than a send is issued, whichever comes first; sends issued meanwhile go
+first. Receives keep their
 order among themselves, and a message is matched by (group, sender, tag) as in torch.
 
 Example:
