@@ -66,6 +66,7 @@ class Issuer:
         where: names this rank and group in messages (``"rank 0 in group 'world' (size 2)"``).
         debug: check every call's full fingerprint first (``DETAIL``).
         checks: the default mismatch checks are on (not ``OFF``).
+        device: the group's device communicator, or None.
 
     Attributes:
         engine: the progress engine.
@@ -84,9 +85,11 @@ class Issuer:
         where: str,
         debug: bool,
         checks: bool,
+        device: Communicator | None = None,
     ) -> None:
         self._group = group
         self._comm = comm
+        self._device = device
         self.engine = engine
         self._where = where
         self.debug = debug
@@ -228,7 +231,13 @@ class Issuer:
         result = self.issue(op, lowered, False, over_device=True)
         if not async_op:
             return result
-        return Work.completed(f"{op} on {self._where}", result)
+        return self._device_work(op, result)
+
+    def _device_work(self, op: str, result: Any) -> Work[Any]:
+        """The Work of an async device call: complete, ``is_completed`` asking the GPU."""
+        device = self._device
+        probe = None if device is None else device.completion_probe()
+        return Work.completed(f"{op} on {self._where}", result, probe)
 
     def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
         """Run a device call's ``plan`` on ``x`` (a C-contiguous device array of its
@@ -265,7 +274,7 @@ class Issuer:
         finally:
             engine.release()
         if async_op:
-            return Work.completed(f"{name} on {self._where}", result)
+            return self._device_work(name, result)
         return result
 
     # -- planned calls -------------------------------------------------------------------

@@ -147,7 +147,7 @@ class ProcessGroup(SubGroups):
             checks = _parent._issuer.checks
         # Its calls run through the issuer (checks, engine, ledger, plans); the names below
         # are the issuer's, for the hot paths and the tools that read a group's ledger.
-        issuer = Issuer(self, comm, engine, self._where, debug, checks)
+        issuer = Issuer(self, comm, engine, self._where, debug, checks, device)
         self._issuer: Issuer = issuer
         self._engine: ProgressEngine = engine
         self._book = issuer.book

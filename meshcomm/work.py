@@ -63,18 +63,29 @@ class Work(Generic[T]):
         # Running from the start: cancel() then returns False, as an issued op cannot be
         # taken back from the other ranks.
         self._future.set_running_or_notify_cancel()
+        # A device call's: whether its GPU work has finished (is_completed asks it).
+        self._device_done: Callable[[], bool] | None = None
 
     @classmethod
-    def completed(cls, label: str, value: T) -> Work[T]:
+    def completed(
+        cls, label: str, value: T, device_done: Callable[[], bool] | None = None
+    ) -> Work[T]:
         """A Work whose operation has already finished with ``value`` (a device call only
         queues its GPU work, ordered on the caller's stream, so it is done when issued).
+
+        ``device_done``: for a device call, whether its GPU work has finished (an event's
+        query): :meth:`is_completed` answers with it, as torch's NCCL work does; ``wait``
+        returns at once, the result being ordered on the caller's stream already.
 
         Example:
             >>> Work.completed("psum over 'tp'", 3).wait()
             3
+            >>> Work.completed("psum over 'tp'", 3, device_done=lambda: False).is_completed()
+            False
         """
         work: Work[T] = cls(label)
         work._finish(lambda: value)
+        work._device_done = device_done
         return work
 
     def wait(self, timeout: Timeout | None = None) -> T:
@@ -111,8 +122,11 @@ class Work(Generic[T]):
     result = wait
 
     def is_completed(self) -> bool:
-        """Return True once the operation has finished (successfully or not)."""
-        return self._future.done()
+        """Return True once the operation has finished (successfully or not); for a device
+        call, once its GPU work has."""
+        if not self._future.done():
+            return False
+        return self._device_done is None or self._device_done()
 
     def exception(self) -> BaseException | None:
         """Return the exception the operation raised, or None (also while it still runs)."""

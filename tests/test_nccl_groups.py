@@ -192,6 +192,9 @@ def _on_nccl(group: Any) -> list[str]:
         problems.append(f"stream contract: {total}")
     work = group.all_gather(cp.arange(4), async_op=True)
     same("async all_gather", work.wait(), np.stack([np.arange(4)] * n))
+    cp.cuda.get_current_stream().synchronize()
+    if not work.is_completed():  # is_completed asks the GPU (an event), as torch's NCCL work
+        problems.append("an async device call is not completed after a synchronize")
     # Mesh axes: each axis group gets an NCCL communicator of its own.
     with init_device_mesh((n, 1), ("dp", "tp")):
         x = cp.arange(6, dtype=cp.float32).reshape(2, 3)

@@ -206,6 +206,12 @@ class Communicator(ABC):
     def permute(self, send: np.ndarray, dst: int | None, recv: np.ndarray, src: int | None) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (either may be None)."""
 
+    def completion_probe(self) -> Callable[[], bool] | None:
+        """Whether the work queued so far on the caller's behalf has finished, as a function
+        to ask later (nccl: an event recorded now on the caller's stream); None (the
+        default): operations finish before they return."""
+        return None
+
     def ready_token(self) -> Any:
         """What orders a later :meth:`send_payload` / :meth:`recv_payload` after the work
         the caller has queued so far, taken now, on the caller's thread (nccl: an event

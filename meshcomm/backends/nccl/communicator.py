@@ -472,6 +472,13 @@ class NcclCommunicator(Communicator):
             )
         return waiting.pop(0)
 
+    def completion_probe(self) -> Callable[[], bool]:
+        """An event recorded now on the caller's stream (which waits for this
+        communicator's calls): its query says whether they and the work before finished."""
+        done = self._event()
+        done.record(self._cp.cuda.get_current_stream())
+        return lambda: bool(done.done)
+
     def ready_token(self) -> tuple[Any, Any]:
         """An event recorded now on the caller's current stream, and that stream."""
         caller = self._cp.cuda.get_current_stream()
