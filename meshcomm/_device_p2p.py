@@ -149,7 +149,13 @@ class DeviceP2P:
 
     def _payload(self, where: str, header: np.ndarray, source: int, out: Any, after: Any) -> Any:
         head = header.view(np.int64)
-        if head.size < _FIXED or int(head[0]) != _MAGIC or head.size != _FIXED + int(head[3]):
+        if (
+            head.size < _FIXED
+            or int(head[0]) != _MAGIC
+            or head.size != _FIXED + int(head[3])
+            or not 0 <= int(head[2]) < len(SUPPORTED_DTYPES)
+            or any(int(n) < 0 for n in head[_FIXED:])
+        ):
             raise ProtocolError(f"{where}: a malformed device header came from rank {source}")
         number, index, shape = int(head[1]), int(head[2]), tuple(int(n) for n in head[_FIXED:])
         expected = self._received.get(source, 0) + 1

@@ -149,3 +149,17 @@ def test_recv_into_out_without_a_device_backend() -> None:
     with pytest.raises(CommError, match="failed earlier"):
         g.recv(0, 5)
     g.close()
+
+
+@pytest.mark.parametrize(
+    "words",
+    [[1, 1, 0, 0], [0x6D73_6864_7631_0001, 1, 99, 0], [0x6D73_6864_7631_0001, 1, 0, 1, -4],
+     [0x6D73_6864_7631_0001, 1, 0, 2, 3]],
+    ids=["magic", "dtype index", "negative extent", "ndim"],
+)  # fmt: skip
+def test_a_malformed_header_is_a_protocol_error(words: list[int]) -> None:
+    comm = SelfCommunicator()
+    p2p, c = _device_p2p.DeviceP2P(comm, comm, np), Call(comm, ScratchPool(), "recv: rank 0")
+    comm.send(np.array(words, np.int64).view(_device_p2p.HEADER_DTYPE), 0, 3)
+    with pytest.raises(ProtocolError, match="a malformed device header came from rank 0"):
+        p2p.recv(c, 0, 3, None, False)[0]()
