@@ -109,7 +109,7 @@ def gpu_per_local_rank(
     gpu_count: Callable[[], int] | None = None,
 ) -> bool:
     """Whether ``init`` without a backend name pairs tcp with nccl here: this host has an
-    NVIDIA driver, cupy is installed, and it sees a GPU for every rank on this host (the
+    NVIDIA driver, cupy with NCCL is installed, and it sees a GPU for every rank on this host (the
     local world size known from the launcher; a world of one is one rank). Ranks sharing a
     GPU (NCCL refuses two ranks on one) and hosts whose rank count is unknown keep staging.
 
@@ -134,6 +134,11 @@ def gpu_per_local_rank(
 
 
 def _cupy_gpu_count() -> int:
-    import cupy
+    """The GPUs cupy sees, or 0 where it cannot drive NCCL (the default must not fail)."""
+    from meshcomm.backends.nccl import load
 
+    try:
+        cupy, _ = load()
+    except ImportError:  # cupy without NCCL: staging it is
+        return 0
     return int(cupy.cuda.runtime.getDeviceCount())

@@ -90,6 +90,13 @@ def test_the_default_pairs_nccl_only_with_a_gpu_per_local_rank(
     assert gpu_per_local_rank(world, local, gpu_count=count) is paired
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
+def test_the_default_counts_no_gpu_without_cupy() -> None:
+    from meshcomm._backend_spec import _cupy_gpu_count
+
+    assert _cupy_gpu_count() == 0  # the pair is never the default then, and init works
+
+
 def test_init_without_a_name_stays_on_host_backends_without_a_gpu() -> None:
     import os
 
