@@ -251,6 +251,10 @@ def _torch_on_nccl(group: Any) -> list[str]:
         total = float((u * 3).sum())
     if total != 6.0 * (1 << 20):
         problems.append(f"compat async avg on a side stream: {total}")
+    strided = torch.ones(8, device="cuda")[::2]  # not dense: the result is copied in
+    dist.all_reduce(strided)
+    if not torch.equal(strided, torch.full((4,), n, device="cuda")):
+        problems.append(f"compat all_reduce of a strided tensor {strided}")
     b = torch.arange(4.0, device="cuda")
     dist.broadcast(b, src=0)
     if not torch.equal(b, torch.arange(4.0, device="cuda")):

@@ -159,13 +159,17 @@ def all_reduce(
     g = pg.mesh_group
     mine = buf.in_place
     on_device = buf.device_view(g)
-    if on_device is not None:  # over the device backend, in place (NCCL's own)
+    if on_device is not None:  # over the device backend: in place (NCCL's own) where dense
+        dense = on_device.flags.c_contiguous
 
         def reduce_on_device(a: bool) -> Any:
+            into = on_device if dense else None  # a strided tensor gets the result copied in
             with device_stream(buf):
-                return g.all_reduce(on_device, mop, factor=factor, async_op=a, out=on_device)
+                return g.all_reduce(on_device, mop, factor=factor, async_op=a, out=into)
 
-        return run("all_reduce", reduce_on_device, [tensor], _written, async_op)
+        return run(
+            "all_reduce", reduce_on_device, [tensor], _written if dense else buf.write, async_op
+        )
     if mine is not None:  # reduced where it lies: no copy in or out, async included
 
         def reduce_in_place(a: bool) -> Any:
