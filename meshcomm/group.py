@@ -8,35 +8,22 @@ sequence numbers, debug fingerprints, asynchronous :class:`~meshcomm.work.Work`,
 How each collective maps onto the communicator's buffers is in :mod:`meshcomm._lower`.
 
 Every collective is functional: it returns new arrays (C-contiguous, native byte order)
-and never modifies its inputs. An asynchronous call copies its input when it is issued (so
-the caller may reuse it at once); that copy is also the layout transform the communicator
-needs. A synchronous call reads an input that is already in the communicator's layout
-(C-contiguous, native byte order, rank blocks in order) where it lies: the caller waits, so
-the input cannot change under it. That covers the send side of every collective that only
-reads its input, ``all_reduce`` (the communicator's ``all_reduce_out`` writes the reduction
-into the result) and root's ``broadcast`` (``broadcast_out``); the others copy the input
-into the result first.
-Allocations per call: the result (it belongs to the caller; the communicator writes straight
-into it wherever the layout allows), taken from a per-world
-:class:`~meshcomm._arrays.ResultPool` that recycles large result buffers once the caller
-has dropped them (a loop does not page-fault fresh memory on every call), and, for
-operations whose send side differs from the result, a send snapshot from a per-world
-scratch pool that is reused from call to call. ``all_gather`` / ``all_to_all`` at an axis
-that forces a transpose copy the result once more.
+and never modifies its inputs; the one exception is asked for by name,
+``all_reduce(x, out=buf)``. An asynchronous call copies its input when it is issued (so the
+caller may reuse it at once). A synchronous call reads an input already in the
+communicator's layout where it lies. Results come from a per-world
+:class:`~meshcomm._arrays.ResultPool` that recycles large buffers, send snapshots from a
+scratch pool reused from call to call.
 
-Per-call cost: a synchronous ``all_reduce``, ``reduce_scatter``, ``all_gather``,
-``all_to_all`` or ``broadcast`` (with an array on every rank) of a numpy array runs through
-its **plan** (:class:`meshcomm._plans.Plan`): the group keeps one plan per call signature
-(collective, dtype, shape, reduce op or root, axes, ``tiled``), made on the signature's
-first call with every check of the lowering, holding the result's shape and the runner
-the communicator offers for it (:meth:`~meshcomm.backends.base.Communicator.runner`, else
-its primitive on flat views). A call that finds its plan allocates the result and runs the
-runner on the claimed engine, about 1.5 us above MPI at world 1; where the engine is busy,
-or the call is checked first (``DETAIL``, a backend without stamps) or traced, the same
-runner goes through the engine's queue. Signatures a runner cannot take as they lie (an
-axis other than 0, ``avg``, asynchronous calls, strided or byte-swapped inputs, GPU arrays)
-are lowered per call (:mod:`meshcomm._lower`). Closing the group drops its plans, and a
-closed group's engine refuses every call. Every error is raised before any I/O.
+Per-call cost: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all`` and
+``broadcast`` (an array on every rank) of a numpy array, and a device ``all_reduce``, run
+through the **plan** of their call signature (:mod:`meshcomm._plans`,
+:class:`meshcomm._device_lower.DevicePlan`), made on its first call with every check of the
+lowering; a call that finds its plan runs the runner on the claimed engine with only the
+sequence number, the ledger entry and the stamp around it (docs/architecture.md, decision
+3). The rest is lowered per call (:mod:`meshcomm._lower`, :mod:`meshcomm._device_lower`).
+Closing the group drops its plans, and a closed group's engine refuses every call. Every
+argument error is raised before any I/O.
 
 Return types: each collective returns an array (or None, as documented), or a
 :class:`~meshcomm.work.Work` whose ``wait()`` returns that, with ``async_op=True``; the
@@ -68,6 +55,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -76,6 +64,7 @@ import numpy.typing as npt
 from meshcomm import _device_lower, _device_p2p, _fingerprint, _lower, _plans, _staging
 from meshcomm._fingerprint import DEBUG_ENV_VARS
 from meshcomm._issuing import Issuer
+from meshcomm._point_to_point import PointToPoint
 from meshcomm._subgroups import SubGroups
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctests use it
@@ -90,7 +79,7 @@ ArrayLike = npt.ArrayLike
 OpLike = str | ReduceOp
 
 
-class ProcessGroup(SubGroups):
+class ProcessGroup(SubGroups, PointToPoint):
     """A group of ranks with functional collectives (JAX semantics, torch names).
 
     Args:
@@ -348,15 +337,14 @@ class ProcessGroup(SubGroups):
         if type(x) is np.ndarray and factor is None:
             plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
             return self._run_plan(plan, x, async_op)
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
+        if (pair := self._device_of(x)) is not None:
             gpu: Any = x
             if factor is None and gpu.flags.c_contiguous:
                 key = ("all_reduce", "device", gpu.dtype, gpu.shape, op)
-                planned = self._plan(key, _device_lower.plan_all_reduce, d, xp, gpu, op)
+                planned = self._plan(key, _device_lower.plan_all_reduce, *pair, gpu, op)
                 return self._issuer.run_device_plan(planned, gpu, async_op)
             c = self._enter("all_reduce")
-            on_device = _device_lower.all_reduce(c, d, xp, x, op, factor)
+            on_device = _device_lower.all_reduce(c, *pair, x, op, factor)
             return self._issue_on_device("all_reduce", on_device, async_op)
         c = self._enter("all_reduce")
         x, dev = _staging.to_host(x)
@@ -368,9 +356,8 @@ class ProcessGroup(SubGroups):
         runs into ``out`` (a ``premul_sum``, whose factor is no part of a plan, is lowered
         per call and its result copied into ``out``)."""
         c = self._enter("all_reduce")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            lowered = _device_lower.all_reduce_into(c, d, xp, x, op, factor, out)
+        if (pair := self._device_of(x)) is not None:
+            lowered = _device_lower.all_reduce_into(c, *pair, x, op, factor, out)
             return self._issue_on_device("all_reduce", lowered, async_op)
         _lower.check_out(c, x, out)
         if factor is not None:
@@ -422,9 +409,8 @@ class ProcessGroup(SubGroups):
             )
             return self._run_plan(plan, x, async_op)
         c = self._enter("all_gather")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.all_gather(c, d, xp, x, axis, tiled)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.all_gather(c, *pair, x, axis, tiled)
             return self._issue_on_device("all_gather", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
@@ -476,9 +462,8 @@ class ProcessGroup(SubGroups):
             )
             return self._run_plan(plan, x, async_op)
         c = self._enter("reduce_scatter")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.reduce_scatter(c, d, xp, x, op, axis, tiled, factor)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.reduce_scatter(c, *pair, x, op, axis, tiled, factor)
             return self._issue_on_device("reduce_scatter", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
@@ -532,9 +517,8 @@ class ProcessGroup(SubGroups):
             )
             return self._run_plan(plan, x, async_op)
         c = self._enter("all_to_all")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.all_to_all(c, d, xp, x, split_axis, concat_axis, tiled)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.all_to_all(c, *pair, x, split_axis, concat_axis, tiled)
             return self._issue_on_device("all_to_all", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
@@ -576,9 +560,8 @@ class ProcessGroup(SubGroups):
             plan = self._plan(("broadcast", x.dtype, x.shape, root), _plans.plan_broadcast, x, root)
             return self._run_plan(plan, x, async_op)
         c = self._enter("broadcast")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.broadcast(c, d, xp, x, root, shape, dtype)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.broadcast(c, *pair, x, root, shape, dtype)
             return self._issue_on_device("broadcast", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
@@ -616,9 +599,8 @@ class ProcessGroup(SubGroups):
             array([3, 1])
         """
         c = self._enter("reduce")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.reduce(c, d, xp, x, root, op, factor)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.reduce(c, *pair, x, root, op, factor)
             return self._issue_on_device("reduce", on_device, async_op)
         x, dev = _staging.to_host(x)
         return self._issue("reduce", _lower.reduce(c, x, root, op, factor), async_op, dev)
@@ -645,9 +627,8 @@ class ProcessGroup(SubGroups):
             array([[0, 1]])
         """
         c = self._enter("gather")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.gather(c, d, xp, x, root)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.gather(c, *pair, x, root)
             return self._issue_on_device("gather", on_device, async_op)
         x, dev = _staging.to_host(x)
         return self._issue("gather", _lower.gather(c, x, root, bool(async_op)), async_op, dev)
@@ -686,9 +667,8 @@ class ProcessGroup(SubGroups):
             array([1, 2])
         """
         c = self._enter("scatter")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.scatter(c, d, xp, x, root, shape, dtype)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.scatter(c, *pair, x, root, shape, dtype)
             return self._issue_on_device("scatter", on_device, async_op)
         x, dev = _staging.to_host(x)
         lowered = _lower.scatter(c, x, root, shape, dtype, snapshot=bool(async_op))
@@ -718,9 +698,8 @@ class ProcessGroup(SubGroups):
             (array([1, 2]), array([0, 0]))
         """
         c = self._enter("permute")
-        d = self._device
-        if d is not None and (xp := _staging.family(x)) is not None:
-            on_device = _device_lower.permute(c, d, xp, x, perm)
+        if (pair := self._device_of(x)) is not None:
+            on_device = _device_lower.permute(c, *pair, x, perm)
             return self._issue_on_device("permute", on_device, async_op)
         x, dev = _staging.to_host(x)
         return self._issue("permute", _lower.permute(c, x, perm, bool(async_op)), async_op, dev)
@@ -740,95 +719,14 @@ class ProcessGroup(SubGroups):
         c = self._enter("barrier")
         return self._issue("barrier", _lower.barrier(c), async_op)
 
-    # -- point to point ------------------------------------------------------------------
-    def send(self, x: ArrayLike, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
-        """Send ``x`` (any shape; shape and dtype travel with it) to group rank ``dst``.
-
-        Args:
-            x: an array.
-            dst: the receiving group rank.
-            tag: a non-negative int matched by :meth:`recv`.
-            async_op: return a Work (``x`` is copied now, so it may be reused at once).
-
-        Raises:
-            InvalidArgument: dst or tag out of range.
-            CommError: communication failed.
-
-        Example:
-            >>> g = ProcessGroup(SelfCommunicator())
-            >>> g.send(np.arange(3), dst=0, tag=7); g.recv(src=0, tag=7)
-            array([0, 1, 2])
-        """
-        c = self._enter("send")
-        if _staging.family(x) is not None and (p2p := self._device_p2p()) is not None:
-            return self._issue("send", p2p.send(c, x, dst, tag, bool(async_op)), async_op)
-        x, dev = _staging.to_host(x)
-        return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op, dev)
-
-    def recv(
-        self,
-        src: int | None = None,
-        tag: int = 0,
-        *,
-        return_source: bool = False,
-        async_op: bool = False,
-        out: Any = None,
-    ) -> Any:
-        """Receive an array sent with ``tag`` from group rank ``src`` (None: any rank).
-
-        In a group with a device backend (nccl), a device array sent arrives over it and
-        comes back as a device array (into ``out`` where that is one of the same shape and
-        dtype): between two ranks such arrays are received in the order they were sent,
-        whatever their tags (NCCL matches by order). See docs/backends/nccl.md.
-
-        Args:
-            src: the sending group rank, or None for any.
-            tag: the tag the sender used.
-            return_source: also return the sender's group rank.
-            async_op: return a Work.
-            out: receive into this array (numpy or device) instead of a new one: it must
-                have the sender's shape and dtype.
-
-        Returns:
-            The received array (a new one, with the sender's shape and dtype; ``out`` when
-            given), or ``(array, src)`` with ``return_source=True``.
-
-        Raises:
-            InvalidArgument: src or tag out of range, or ``out`` not a writeable array
-                (before any I/O); ``out`` not of the shape and dtype sent (the message is
-                consumed then and the group fails, as MPI's truncation error).
-            ProtocolError: device arrays from one rank received out of their order.
-            CommError: communication failed (CommTimeout when nothing arrives in time).
-
-        Example:
-            >>> g = ProcessGroup(SelfCommunicator())
-            >>> g.send(np.float32(2.5), dst=0); g.recv(return_source=True)
-            (array(2.5, dtype=float32), 0)
-            >>> buf = np.zeros(2)
-            >>> g.send(np.ones(2), dst=0); g.recv(out=buf) is buf
-            True
-        """
-        c = self._enter("recv")
-        p2p = self._device_p2p()
-        if p2p is not None:
-            return self._issue("recv", p2p.recv(c, src, tag, out, return_source), async_op)
-        if out is None:
-            return self._issue("recv", _lower.recv(c, src, tag, return_source), async_op)
-        _device_p2p.check_out_buffer(c, out)
-        body, fields = _lower.recv(c, src, tag, True)
-        where = c.where
-
-        def into_out() -> Any:
-            arr, source = body()
-            got = _device_p2p.fill(where, out, arr, source)
-            return (got, source) if return_source else got
-
-        return self._issue("recv", (into_out, fields), async_op)
-
-    def _device_p2p(self) -> _device_p2p.DeviceP2P | None:
-        """The device point to point of this group; None without a device backend, or where
-        the host backend cannot carry its headers (mpi)."""
-        return self._p2p
+    def _device_of(self, x: Any) -> tuple[Communicator, ModuleType] | None:
+        """``(device communicator, array module)`` where ``x`` is a device array and the
+        group has a device backend: the call goes there; else None (the host path)."""
+        d = self._device
+        if d is None:
+            return None
+        xp = _staging.family(x)
+        return None if xp is None else (d, xp)
 
     def _child(self, comm: Communicator, name: str) -> ProcessGroup:
         device = None
