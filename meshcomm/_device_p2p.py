@@ -101,7 +101,7 @@ class DeviceP2P:
         d = rank_arg(c, dst, "dst")
         t = tag_arg(c.where, tag)
         dt = check_dtype(x.dtype, c.where)
-        xp, host, dev = self._xp_of(x), self._host, self._dev
+        xp, host, dev = self._xp, self._host, self._dev
         me = host.rank
         # The bytes sent are a C-contiguous copy where the caller may change x meanwhile
         # (async) or it is strided, or where it is kept for this rank's own receive.
@@ -177,9 +177,6 @@ class DeviceP2P:
         if out is None or direct:
             return target
         return fill(where, out, target, source)
-
-    def _xp_of(self, x: Any) -> ModuleType:
-        return np if isinstance(x, np.ndarray) else self._xp
 
 
 def for_communicators(host: Communicator, dev: Communicator) -> DeviceP2P | None:

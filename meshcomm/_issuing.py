@@ -104,9 +104,10 @@ class Issuer:
         self._seen: set[int] | None = None
         if checked and holder is None:
             self._seen = set()
-        # Where stamps ride on host messages, device calls (nccl) carry none: their
-        # signatures are checked once each instead, as on mpi.
-        self._device_seen: set[int] | None = set() if holder is not None else None
+        # The signatures checked once for calls on the device communicator: they carry no
+        # stamp (stamps ride on host messages), so where the host's calls are stamped they
+        # get a set of their own; otherwise they share the host's (mpi; None: no checks).
+        self._device_seen: set[int] | None = set() if holder is not None else self._seen
         self.seq = 0
         self.book = _ledger.Ledger(_ledger.ledger_length())
         self._closed = False
@@ -165,7 +166,7 @@ class Issuer:
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self.engine.submit(body, f"{op} on {self._where}", bool(async_op))
         on_device = device is not None or over_device  # the input lives on a GPU
-        if self._group.device_backend is None and op in _LOCATION_FREE:
+        if self._device is None and op in _LOCATION_FREE:
             # Through host memory, ranks off the root may pass None to broadcast and
             # scatter, and where each result lives is each rank's own choice: no location
             # is compared (read as the host's, as the planned calls do). A group with a
@@ -190,15 +191,12 @@ class Issuer:
         if on_device:
             fields = {**fields, "device": True}  # for the ledger
         entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
-        seen = self._seen
-        if self._stamper is not None:
-            if not over_device:
-                sig = _fingerprint.signature_of(op, fields, on_device)
-                stamp = _fingerprint.stamp(sig, seq)
-                words = self._words(op, seq, entry)
-                body = _call_checks.stamped(body, self._stamper, stamp, words)
-            else:  # no host message carries a stamp: check the signature's first call
-                seen = self._device_seen
+        if self._stamper is not None and not over_device:
+            sig = _fingerprint.signature_of(op, fields, on_device)
+            stamp = _fingerprint.stamp(sig, seq)
+            words = self._words(op, seq, entry)
+            body = _call_checks.stamped(body, self._stamper, stamp, words)
+        seen = self._device_seen if over_device else self._seen
         if seen is not None:
             sig = _fingerprint.signature_of(op, fields, on_device)
             if sig not in seen:
@@ -249,7 +247,7 @@ class Issuer:
         goes through :meth:`issue_on_device` with the same runner.
         """
         engine = self.engine
-        seen = self._device_seen if self._stamper is not None else self._seen
+        seen = self._device_seen
         if (
             self.debug
             or _trace.active is not None

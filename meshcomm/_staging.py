@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -43,8 +44,10 @@ PINNED_MAX_ENV = "MESHCOMM_PINNED_STAGING_MAX"
 _PINNED_MAX_DEFAULT = 256 << 20
 
 
+@functools.cache
 def pinned_limit() -> int:
-    """The largest array staged through pinned buffers, from :data:`PINNED_MAX_ENV`.
+    """The largest array staged through pinned buffers, from :data:`PINNED_MAX_ENV` (read
+    once, on the first staged call).
 
     Example:
         >>> pinned_limit() >= 0
