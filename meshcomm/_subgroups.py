@@ -43,6 +43,7 @@ class _Group(Protocol):
     store: Store | None
     name: str
     _comm: Communicator
+    _device: Communicator | None
     _children: int
     _where: str
     _engine: ProgressEngine
@@ -62,7 +63,9 @@ class _Group(Protocol):
         self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
     ) -> Any: ...
 
-    def _child(self, comm: Communicator, name: str) -> ProcessGroup: ...
+    def _child(
+        self, comm: Communicator, name: str, device: Communicator | None = None
+    ) -> ProcessGroup: ...
 
 
 class SubGroups:
@@ -97,17 +100,28 @@ class SubGroups:
         name = f"{self.name}/split{self._children}:{col}"
         comm, size = self._comm, self.size
 
+        device = self._device
+
         def body() -> ProcessGroup | None:
-            mine = np.array([0 if col is None else 1, col or 0, k], dtype=np.int64)
-            table = np.empty(3 * size, dtype=np.int64)
+            # The last column says whether this rank's device communicator can split in one
+            # collective step (nccl's ncclCommSplit); it does so only where every rank can.
+            splits = device is not None and device.can_split()
+            mine = np.array([0 if col is None else 1, col or 0, k, splits], dtype=np.int64)
+            table = np.empty(4 * size, dtype=np.int64)
             comm.all_gather(mine, table)
-            if col is None:
+            rows = table.reshape(size, 4)
+            members = None
+            if col is not None:
+                order = sorted(
+                    (int(rows[r, 2]), r) for r in range(size) if rows[r, 0] and rows[r, 1] == col
+                )
+                members = [r for _, r in order]
+            split_device = None
+            if device is not None and rows[:, 3].all():
+                split_device = device.split_sub(members)
+            if members is None:
                 return None
-            rows = table.reshape(size, 3)
-            order = sorted(
-                (int(rows[r, 2]), r) for r in range(size) if rows[r, 0] and rows[r, 1] == col
-            )
-            return self._child(comm.sub([r for _, r in order]), name)
+            return self._child(comm.sub(members), name, split_device)
 
         return self._issue("split", (body, {}), False)
 

@@ -728,9 +728,12 @@ class ProcessGroup(SubGroups, PointToPoint):
         xp = _staging.family(x)
         return None if xp is None else (d, xp)
 
-    def _child(self, comm: Communicator, name: str) -> ProcessGroup:
-        device = None
-        if self._device is not None:  # the same members, as ranks of this group
+    def _child(
+        self, comm: Communicator, name: str, device: Communicator | None = None
+    ) -> ProcessGroup:
+        """The group over ``comm``; its device communicator is ``device`` if one was made by
+        a collective split, else one made from this group's on first use."""
+        if device is None and self._device is not None:  # the same members, as our ranks
             device = self._device.sub([self.ranks.index(r) for r in comm.global_ranks])
         return ProcessGroup(comm, store=self.store, name=name, device=device, _parent=self)
 

@@ -199,6 +199,16 @@ def test_the_watchdog_reports_nccls_asynchronous_error_at_once() -> None:
 
 
 # == on a GPU ===============================================================================
+@pytest.fixture(params=["cupy", "native"])
+def binding(request: Any, monkeypatch: Any) -> str:
+    """Each GPU test runs with cupy's binding and with the native one (non-blocking init)."""
+    if request.param == "native":
+        monkeypatch.setenv("MESHCOMM_NCCL_NATIVE", "1")
+    else:
+        monkeypatch.delenv("MESHCOMM_NCCL_NATIVE", raising=False)
+    return str(request.param)
+
+
 def _world(timeout: float = 30.0) -> Any:
     from meshcomm.backends.nccl import NcclCommunicator
     from meshcomm.store import HashStore
@@ -209,7 +219,7 @@ def _world(timeout: float = 30.0) -> Any:
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [*REDUCIBLE, "bool", "complex64", "bfloat16"])
-def test_every_collective_at_world_one_equals_numpy(name: str) -> None:
+def test_every_collective_at_world_one_equals_numpy(name: str, binding: str) -> None:
     import cupy as cp
 
     dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
@@ -241,13 +251,15 @@ def test_every_collective_at_world_one_equals_numpy(name: str) -> None:
         got, src = comm.recv(0, 5)
         assert src == 0 and got.shape == (7, 1) and got.dtype == dtype
         np.testing.assert_array_equal(cp.asnumpy(got).ravel(), host)
+        kind = type(comm._nccl).__name__
+        assert kind == ("NativeComm" if binding == "native" else "NcclCommunicator")
     finally:
         comm.close()
 
 
 @needs_gpu
 @pytest.mark.gpu
-def test_a_result_is_ready_on_the_callers_stream_without_a_host_sync() -> None:
+def test_a_result_is_ready_on_the_callers_stream_without_a_host_sync(binding: str) -> None:
     import cupy as cp
 
     comm = _world()
@@ -267,7 +279,7 @@ def test_a_result_is_ready_on_the_callers_stream_without_a_host_sync() -> None:
 
 @needs_gpu
 @pytest.mark.gpu
-def test_a_member_that_never_arrives_is_named_within_the_timeout() -> None:
+def test_a_member_that_never_arrives_is_named_within_the_timeout(binding: str) -> None:
     import cupy as cp
 
     from meshcomm.backends.nccl import NcclCommunicator
@@ -275,6 +287,31 @@ def test_a_member_that_never_arrives_is_named_within_the_timeout() -> None:
 
     comm = NcclCommunicator.create_world(0, 2, HashStore(), 3.0)  # rank 1 never starts
     started = time.monotonic()
-    with pytest.raises(CommTimeout, match=r"ncclCommInitRank .*ranks \[1\] never arrived"):
+    with pytest.raises(CommTimeout, match=r"ncclCommInitRank\w* .*ranks \[1\] never arrived"):
         comm.all_reduce(cp.ones(4, dtype=cp.float32), ReduceOp.SUM)
     assert time.monotonic() - started < 3.0 + 5.0
+    if binding == "native":  # the non-blocking init was aborted: no thread is left inside NCCL
+        assert not [t for t in threading.enumerate() if t.name == "meshcomm-nccl-init"]
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_a_native_split_at_world_one_makes_a_working_communicator(monkeypatch: Any) -> None:
+    import cupy as cp
+
+    monkeypatch.setenv("MESHCOMM_NCCL_NATIVE", "1")
+    comm = _world()
+    try:
+        x = cp.arange(5, dtype=cp.float32)
+        comm.all_reduce(x, ReduceOp.SUM)  # makes the NCCL communicator: now it can split
+        assert comm.can_split()
+        child = comm.split_sub([0])
+        assert child is not None and type(child._nccl).__name__ == "NativeComm"
+        child.all_reduce(x, ReduceOp.MAX)
+        out = cp.zeros(10, dtype=cp.float32)
+        child.all_gather(x, out[:5])
+        np.testing.assert_array_equal(cp.asnumpy(x), np.arange(5, dtype=np.float32))
+        assert comm.split_sub(None) is None  # joining none is a call all the same
+        child.close()
+    finally:
+        comm.close()

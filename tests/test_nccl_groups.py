@@ -213,9 +213,42 @@ def _on_nccl(group: Any) -> list[str]:
 
 @needs_gpu
 @pytest.mark.gpu
-def test_a_group_runs_cupy_arrays_over_nccl() -> None:
-    for problems in run_ranks(_on_nccl, 1, backend=PAIR, timeout=240):
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_group_runs_cupy_arrays_over_nccl(native: str) -> None:
+    env = {"MESHCOMM_NCCL_NATIVE": native}
+    for problems in run_ranks(_on_nccl, 1, backend=PAIR, timeout=240, env=env):
         assert problems == [], "\n".join(problems[:30])
+
+
+def _split_on_nccl(group: Any) -> list[str]:
+    """With the native binding, a split of a group whose device communicator is live is
+    ``ncclCommSplit``; before any device call it is the lazy kind."""
+    import cupy as cp
+
+    problems: list[str] = []
+    early = group.split(0)
+    if type(early._device).__name__ != "NcclCommunicator" or early._device._nccl is not None:
+        problems.append("a split before any device call made an NCCL communicator")
+    x = cp.arange(6, dtype=cp.float32)
+    group.all_reduce(x)  # the world's NCCL communicator is made here
+    child = group.split(0)
+    kind = type(child._device._nccl).__name__
+    if kind != "NativeComm":
+        problems.append(f"a split of a live native communicator gave {kind}")
+    got = cp.asnumpy(child.all_reduce(x))
+    if not np.array_equal(got, np.arange(6, dtype=np.float32) * group.size):
+        problems.append(f"all_reduce on the split group gave {got}")
+    if group.split(None) is not None:
+        problems.append("split(None) gave a group")
+    return problems
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_a_native_split_of_a_live_group_is_nccls_split() -> None:
+    env = {"MESHCOMM_NCCL_NATIVE": "1"}
+    for problems in run_ranks(_split_on_nccl, 1, backend=PAIR, timeout=120, env=env):
+        assert problems == [], "\n".join(problems)
 
 
 def _torch_on_nccl(group: Any) -> list[str]:

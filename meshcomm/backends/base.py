@@ -239,6 +239,27 @@ class Communicator(ABC):
         Called only by the members of ``ranks``, each passing the same list.
         """
 
+    def can_split(self) -> bool:
+        """Whether :meth:`split_sub` makes sub-communicators in one collective step now
+        (nccl's native ``ncclCommSplit`` from a live communicator). Default: False.
+
+        Example:
+            >>> from meshcomm.backends.local import SelfCommunicator
+            >>> SelfCommunicator().can_split()
+            False
+        """
+        return False
+
+    def split_sub(self, members: Sequence[int] | None) -> Communicator | None:
+        """Collective over this communicator: every rank calls it at once, each with the
+        members of its new communicator in new-rank order (None: it joins none), and only
+        where every rank's :meth:`can_split` said True. Default: unsupported.
+
+        Raises:
+            NotImplementedError: this backend has no collective split.
+        """
+        raise NotImplementedError(f"{self.backend_name} has no collective split")
+
     @abstractmethod
     def close(self) -> None:
         """Release what this communicator holds. Idempotent."""

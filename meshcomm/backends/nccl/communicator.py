@@ -13,7 +13,10 @@ result is safe to use on the caller's stream (torch's ``wait_tensor`` semantics)
 (members make their collectives in the same order): rank 0 draws the unique id and puts it
 in the job's store (authenticated with the job's secret), the others read it there.
 ``ncclCommInitRank`` has no timeout of its own, so it runs in a helper thread and a member
-missing past the timeout is named from the store's arrival keys.
+missing past the timeout is named from the store's arrival keys. With the native binding
+(``MESHCOMM_NCCL_NATIVE=1``, :mod:`._native`) the init is NCCL's non-blocking one, polled
+here and aborted at the timeout, and a live communicator's collective splits (a mesh's
+axes) are ``ncclCommSplit`` (:meth:`NcclCommunicator.split_sub`).
 
 **Faults.** An NCCL call returns once queued, so a peer that never calls is found by the
 watchdog (:mod:`._watchdog`): past the timeout it aborts the NCCL communicator, and the
@@ -31,6 +34,7 @@ Example (needs a GPU, cupy and NCCL):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,13 +43,13 @@ from typing import Any
 import numpy as np
 
 from meshcomm.backends.base import Communicator
-from meshcomm.backends.nccl import _lib
+from meshcomm.backends.nccl import _lib, _native
 from meshcomm.backends.nccl._watchdog import WATCHDOG
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument, ProtocolError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 
-__all__ = ["NcclCommunicator"]
+__all__ = ["NATIVE_VARIABLE", "NcclCommunicator", "native_requested"]
 
 #: Key prefix of the world communicator's bootstrap in the job's store.
 _PREFIX = "meshcomm/nccl"
@@ -59,6 +63,19 @@ _MESSAGE_DTYPES = (
 )  # fmt: skip
 #: How often host waits (barrier, recv, init) look at their event.
 _HOST_POLL_SECONDS = 0.0005
+#: The variable that turns the native binding on (off until it has run on a GPU).
+NATIVE_VARIABLE = "MESHCOMM_NCCL_NATIVE"
+
+
+def native_requested() -> bool:
+    """Whether ``MESHCOMM_NCCL_NATIVE`` asks for the native binding (``1``/``on``/``true``).
+
+    Example:
+        >>> import os
+        >>> os.environ.pop(NATIVE_VARIABLE, None) and None; native_requested()
+        False
+    """
+    return os.environ.get(NATIVE_VARIABLE, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 def _address(x: Any) -> int:
@@ -118,7 +135,9 @@ class NcclCommunicator(Communicator):
         self._store = store
         self._prefix = prefix
         self._cp, self._nccl_mod = _lib.load()
+        self._native = native_requested()
         self._nccl: Any = None
+        self._grouping: Any = self._nccl_mod  # what has groupStart/groupEnd for self._nccl
         self._stream: Any = None
         self._failure: str | None = None
         self._failure_kind: type[CommError] = CommError
@@ -154,10 +173,17 @@ class NcclCommunicator(Communicator):
                 f"{what} {self.label}: the NCCL communicator failed earlier: {self._failure}"
             )
         if self._nccl is None:
-            self._nccl = self._bootstrap(what)
+            self._adopt(self._bootstrap(what))
+        if self._stream is None:
             self._stream = self._cp.cuda.Stream(non_blocking=True)
             self._caller_ready = self._event()
         return self._nccl
+
+    def _adopt(self, comm: Any) -> None:
+        """Use ``comm`` (cupy's, or a :class:`~._native.NativeComm`, which groups its own
+        calls: a non-blocking communicator is polled after ``ncclGroupEnd``)."""
+        self._nccl = comm
+        self._grouping = comm if isinstance(comm, _native.NativeComm) else self._nccl_mod
 
     def _event(self) -> Any:
         """A CUDA event without timing (cheaper to record and query than a timed one)."""
@@ -176,8 +202,10 @@ class NcclCommunicator(Communicator):
 
     def _bootstrap(self, what: str) -> Any:
         store, key = self._store, f"{self._prefix}/uid"
+        lib = _native.load_library() if self._native else None
         if self.rank == 0:
-            store.set(key, _lib.id_to_bytes(self._nccl_mod.get_unique_id()))
+            drawn = lib.unique_id() if lib else self._nccl_mod.get_unique_id()
+            store.set(key, _lib.id_to_bytes(drawn))
         store.set(f"{self._prefix}/arrived/{self.rank}", b"1")
         try:
             store.wait([key], timeout=self.timeout)
@@ -187,6 +215,8 @@ class NcclCommunicator(Communicator):
                 f"unique id within {self.timeout:g} s"
             ) from exc
         unique_id = _lib.id_from_bytes(store.get(key))
+        if lib is not None:
+            return self._native_init(what, lib, unique_id)
         made: dict[str, Any] = {}
 
         device = self._cp.cuda.Device()
@@ -204,19 +234,32 @@ class NcclCommunicator(Communicator):
         thread.start()
         thread.join(self.timeout)
         if thread.is_alive():
-            missing = [
-                self.global_ranks[r]
-                for r in range(self.size)
-                if not store.check([f"{self._prefix}/arrived/{r}"])
-            ]
-            who = f"ranks {missing} never arrived" if missing else "every rank arrived"
-            raise CommTimeout(
-                f"{what} {self.label}: ncclCommInitRank did not complete within "
-                f"{self.timeout:g} s ({who})"
-            )
+            raise self._init_timeout(what, "ncclCommInitRank")
         if "error" in made:
             raise CommError(f"{what} {self.label}: ncclCommInitRank failed: {made['error']}")
         return made["comm"]
+
+    def _native_init(self, what: str, lib: _native.Library, unique_id: bytes) -> Any:
+        """NCCL's non-blocking init on this thread, aborted past the timeout."""
+        try:
+            return _native.NativeComm.init_rank(lib, self.size, unique_id, self.rank, self.timeout)
+        except TimeoutError:
+            raise self._init_timeout(what, "ncclCommInitRankConfig") from None
+        except _native.NcclFailure as exc:
+            raise CommError(f"{what} {self.label}: {exc}") from exc
+
+    def _init_timeout(self, what: str, call: str) -> CommTimeout:
+        """The timeout of an init, naming the members that never arrived."""
+        store = self._store
+        missing = [
+            self.global_ranks[r]
+            for r in range(self.size)
+            if not store.check([f"{self._prefix}/arrived/{r}"])
+        ]
+        who = f"ranks {missing} never arrived" if missing else "every rank arrived"
+        return CommTimeout(
+            f"{what} {self.label}: {call} did not complete within {self.timeout:g} s ({who})"
+        )
 
     def async_error(self) -> str | None:
         """NCCL's asynchronous error of this communicator, in words, or None."""
@@ -249,7 +292,8 @@ class NcclCommunicator(Communicator):
         comm, self._nccl = self._nccl, None
         if comm is not None:
             if self._failure is None:
-                self._stream.synchronize()
+                if self._stream is not None:
+                    self._stream.synchronize()
                 comm.destroy()
             else:
                 comm.abort()
@@ -282,6 +326,9 @@ class NcclCommunicator(Communicator):
         stream.wait_event(ready)
         try:
             launch(comm, stream.ptr)
+        except TimeoutError as exc:  # the native binding's call stayed in progress (aborted)
+            self.fail(f"{what} did not settle: {exc}", True)
+            raise CommTimeout(f"{what} {self.label}: NCCL: {exc}") from exc
         except Exception as exc:  # NcclError: a bad argument or an aborted communicator
             raise CommError(f"{what} {self.label}: NCCL: {exc}") from exc
         spare = self._spare_events
@@ -293,14 +340,14 @@ class NcclCommunicator(Communicator):
 
     def _grouped(self, what: str, launch: Callable[[Any, int], None], reuse: bool = True) -> Any:
         """:meth:`_queue` with the launches inside ``ncclGroupStart`` / ``ncclGroupEnd``."""
-        nccl = self._nccl_mod
 
         def grouped(comm: Any, stream: int) -> None:
-            nccl.groupStart()
+            grouping = self._grouping
+            grouping.groupStart()
             try:
                 launch(comm, stream)
             finally:
-                nccl.groupEnd()
+                grouping.groupEnd()
 
         return self._queue(what, grouped, reuse)
 
@@ -512,6 +559,40 @@ class NcclCommunicator(Communicator):
         self._grouped("permute", launch)
 
     # -- groups --------------------------------------------------------------------------
+    def can_split(self) -> bool:
+        """Whether :meth:`split_sub` is ``ncclCommSplit`` now: the native binding made this
+        communicator's NCCL communicator and it has not failed."""
+        live = isinstance(self._nccl, _native.NativeComm) and self._nccl.comm != 0
+        return live and self._failure is None and not self._closed
+
+    def split_sub(self, members: Sequence[int] | None) -> NcclCommunicator | None:
+        """``ncclCommSplit``: collective over this communicator, where every member's
+        :meth:`can_split` is True (the caller agrees on that first).
+
+        Args:
+            members: this rank's new communicator, as ranks of this one in new-rank order
+                (the same list on each of them); None: this rank joins none.
+
+        Raises:
+            InvalidArgument: bad members (as :meth:`sub`).
+            CommTimeout: the split did not complete within the timeout.
+            CommError: NCCL failed.
+        """
+        comm = self._ready("split")
+        child = None if members is None else self.sub(members)
+        try:
+            # A colour per new communicator: its lowest member, never NOCOLOR (-1).
+            color = _native.NOCOLOR if members is None else min(members)
+            key = 0 if members is None else list(members).index(self.rank)
+            made = comm.split(color, key)
+        except TimeoutError as exc:
+            raise CommTimeout(f"split {self.label}: {exc}") from exc
+        except _native.NcclFailure as exc:
+            raise CommError(f"split {self.label}: {exc}") from exc
+        if child is not None:
+            child._adopt(made)
+        return child
+
     def sub(self, ranks: Sequence[int]) -> NcclCommunicator:
         """A communicator over ``ranks`` (its NCCL communicator made on its first call).
 
