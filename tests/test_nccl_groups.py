@@ -300,12 +300,81 @@ def _torch_on_nccl(group: Any) -> list[str]:
     return problems
 
 
+def _compat_collectives_on_nccl(group: Any) -> list[str]:
+    """Every compat collective of CUDA tensors goes over NCCL and equals torch's meaning."""
+    import warnings
+
+    import torch
+
+    import meshcomm.distributed as dist
+
+    dist.init_process_group("nccl")
+    n, me = group.size, group.rank
+    problems: list[str] = []
+
+    def check(what: str, got: Any, want: Any) -> None:
+        last = group.ledger()[-1]
+        if not last["device"]:
+            problems.append(f"{what} went through host memory: {last}")
+        if not (got.device.type == "cuda" and torch.equal(got, want.to(got.device))):
+            problems.append(f"{what}: got {got}, expected {want}")
+
+    def cuda(values: Any) -> Any:
+        return torch.as_tensor(values, dtype=torch.float32, device="cuda")
+
+    mine = cuda(np.arange(6.0) + me)
+    every = torch.cat([cuda(np.arange(6.0) + r) for r in range(n)])
+    out = torch.empty(6 * n, device="cuda")
+    dist.all_gather_single(out, mine)
+    check("all_gather_single", out, every)
+    work = dist.all_gather_single(out.zero_(), mine, async_op=True)
+    work.wait()
+    check("async all_gather_single", out, every)
+    parts = [torch.empty(6, device="cuda") for _ in range(n)]
+    dist.all_gather(parts, mine)
+    check("all_gather", torch.cat(parts), every)
+    chunk = torch.empty(6, device="cuda")
+    dist.reduce_scatter_single(chunk, torch.ones(6 * n, device="cuda"))
+    check("reduce_scatter_single", chunk, cuda(np.full(6, float(n))))
+    dist.reduce_scatter(chunk, [torch.full((6,), 2.0, device="cuda") for _ in range(n)])
+    check("reduce_scatter", chunk, cuda(np.full(6, 2.0 * n)))
+    summed = mine.clone()
+    dist.reduce(summed, dst=0)
+    if me == 0:
+        check("reduce", summed, every.reshape(n, 6).sum(0))
+    gathered = [torch.empty(6, device="cuda") for _ in range(n)] if me == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    if gathered is not None:
+        check("gather", torch.cat(gathered), every)
+    got = torch.empty(6, device="cuda")
+    sent = [cuda(np.arange(6.0) * r) for r in range(n)] if me == 0 else None
+    dist.scatter(got, sent, src=0)
+    check("scatter", got, cuda(np.arange(6.0) * me))
+    swapped = torch.empty(6 * n, device="cuda")
+    dist.all_to_all_single(swapped, torch.cat([mine] * n))
+    check("all_to_all_single", swapped, every)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        a, b = torch.ones(3, device="cuda"), torch.full((2, 2), 2.0, device="cuda")
+        dist.all_reduce_coalesced([a, b])
+    check("all_reduce_coalesced", torch.cat([a, b.reshape(-1)]), cuda([n] * 3 + [2.0 * n] * 4))
+    dist.destroy_process_group()
+    return problems
+
+
 @needs_gpu
 @pytest.mark.gpu
-def test_torch_cuda_tensors_over_nccl_keep_their_kind_and_gradients() -> None:
+@pytest.mark.parametrize(
+    "check",
+    [
+        _torch_on_nccl,  # kind and gradients kept, compat all_reduce/broadcast over NCCL
+        _compat_collectives_on_nccl,  # every other compat collective over NCCL
+    ],
+)
+def test_torch_cuda_tensors_over_nccl(check: Any) -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
-    for problems in run_ranks(_torch_on_nccl, 1, backend=PAIR, timeout=240):
+    for problems in run_ranks(check, 1, backend=PAIR, timeout=240):
         assert problems == [], "\n".join(problems)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from meshcomm.distributed._common import flat, member, run, same_count, writable
+from meshcomm.distributed._common import Route, flat, member, run, same_count, writable
 from meshcomm.distributed._errors import DistBackendError, public
 from meshcomm.distributed._pg import ProcessGroup
 from meshcomm.distributed._tensors import as_buffer, as_buffer_list, same_dtype
@@ -189,7 +189,6 @@ def all_to_all_single(
         )
     in_splits = _splits(input_split_sizes, inp.shape[0], size, "input")
     out_splits = _splits(output_split_sizes, out.shape[0], size, "output")
-    values = flat(inp)
     if in_splits is None and out_splits is None:
         if out.numel != inp.numel:
             raise ValueError(
@@ -197,11 +196,14 @@ def all_to_all_single(
                 "they must match"
             )
         g = pg.mesh_group
+        route = Route(g, [inp])  # over the device backend where the input is on the GPU
 
         def issue(a: bool) -> Any:
-            return g.all_to_all(values.reshape(size, -1), 0, 0, async_op=a)
+            with route.stream():
+                return g.all_to_all(route.flat(inp).reshape(size, -1), 0, 0, async_op=a)
 
         return run("all_to_all_single", issue, [output], out.write, async_op)
+    values = flat(inp)
     ins = in_splits or [inp.shape[0] // size] * size
     outs = out_splits or [out.shape[0] // size] * size
     edges = np.cumsum([0, *ins]) * row_in

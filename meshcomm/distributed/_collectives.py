@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from meshcomm.distributed._common import (
+    Route,
     counts_equal,
     flat,
     member,
@@ -214,9 +215,11 @@ def reduce(
     root = canonical_rank(pg, dst, group_dst, "dst")
     STATE.flush()
     g = pg.mesh_group
+    route = Route(g, [buf])
 
     def issue(a: bool) -> Any:
-        return g.reduce(buf.host, root, mop, factor=factor, async_op=a)
+        with route.stream():
+            return g.reduce(route.flat(buf), root, mop, factor=factor, async_op=a)
 
     def finish(res: np.ndarray | None) -> None:
         if res is not None:
@@ -280,9 +283,11 @@ def gather(
     writable(*outs)
     STATE.flush()
     g = pg.mesh_group
+    route = Route(g, [inp])
 
     def issue(a: bool) -> Any:
-        return g.gather(flat(inp), root, async_op=a)
+        with route.stream():
+            return g.gather(route.flat(inp), root, async_op=a)
 
     def finish(res: np.ndarray | None) -> None:
         if res is not None:
@@ -324,12 +329,22 @@ def scatter(
         return None
     root = canonical_rank(pg, src, group_src, "src")
     ins = _root_list(pg, root, scatter_list, "scatter_list", out, "source")
-    x = np.stack([flat(b) for b in ins]) if ins else None
     STATE.flush()
     g = pg.mesh_group
+    # Every rank's output decides (the device scatter wants an array on every rank: off the
+    # root, only its shape counts, so a broadcast view of the output serves).
+    route = Route(g, [out, *ins])
+    with route.stream():
+        if ins:
+            x = route.xp.stack([route.flat(b) for b in ins])
+        elif route.on_device:
+            x = route.xp.broadcast_to(route.flat(out)[None], (pg.size(), out.numel))
+        else:
+            x = None
 
     def issue(a: bool) -> Any:
-        return g.scatter(x, root, shape=(out.numel,), dtype=out.dtype, async_op=a)
+        with route.stream():
+            return g.scatter(x, root, shape=(out.numel,), dtype=out.dtype, async_op=a)
 
     return run("scatter", issue, [tensor], out.write, async_op)
 
@@ -363,15 +378,18 @@ def all_gather(
             f"{counts[me]}"
         )
     width = max(counts, default=0)
-    if width == inp.numel:
-        x = flat(inp)
-    else:  # uneven sizes: pad to the widest, which every rank knows from its tensor_list
-        x = np.zeros(width, dtype=inp.dtype)
-        x[: inp.numel] = flat(inp)
     g = pg.mesh_group
+    route = Route(g, [inp])
+    with route.stream():
+        if width == inp.numel:
+            x = route.flat(inp)
+        else:  # uneven sizes: pad to the widest, which every rank knows from its tensor_list
+            x = route.xp.zeros(width, dtype=inp.dtype)
+            x[: inp.numel] = route.flat(inp)
 
     def issue(a: bool) -> Any:
-        return g.all_gather(x, axis=0, async_op=a)
+        with route.stream():
+            return g.all_gather(x, axis=0, async_op=a)
 
     def finish(res: np.ndarray) -> None:
         for r, out in enumerate(outs):
@@ -405,9 +423,11 @@ def all_gather_single(
             f"{pg.size() * inp.numel} elements, got {out.numel}"
         )
     g = pg.mesh_group
+    route = Route(g, [inp])
 
     def issue(a: bool) -> Any:
-        return g.all_gather(flat(inp), axis=0, tiled=True, async_op=a)
+        with route.stream():
+            return g.all_gather(route.flat(inp), axis=0, tiled=True, async_op=a)
 
     return run("all_gather_single", issue, [output_tensor], out.write, async_op)
 
@@ -450,11 +470,14 @@ def reduce_scatter(
         return None
     same_count(pg.size(), ins, "input_list")
     counts_equal(ins, out.numel, "output")
-    x = np.stack([flat(b) for b in ins])
     g = pg.mesh_group
+    route = Route(g, ins)
+    with route.stream():
+        x = route.xp.stack([route.flat(b) for b in ins])
 
     def issue(a: bool) -> Any:
-        return g.reduce_scatter(x, mop, axis=0, factor=factor, async_op=a)
+        with route.stream():
+            return g.reduce_scatter(x, mop, axis=0, factor=factor, async_op=a)
 
     return run("reduce_scatter", issue, [output], out.write, async_op)
 
@@ -484,9 +507,12 @@ def reduce_scatter_single(
             f"got {inp.numel}"
         )
     g = pg.mesh_group
+    route = Route(g, [inp])
 
     def issue(a: bool) -> Any:
-        return g.reduce_scatter(flat(inp).reshape(size, -1), mop, axis=0, factor=factor, async_op=a)
+        with route.stream():
+            x = route.flat(inp).reshape(size, -1)
+            return g.reduce_scatter(x, mop, axis=0, factor=factor, async_op=a)
 
     return run("reduce_scatter_single", issue, [output], out.write, async_op)
 
@@ -525,12 +551,15 @@ def all_reduce_coalesced(
     pg = member(group, "all_reduce_coalesced")
     if pg is None:
         return None
-    x = np.concatenate([flat(b) for b in bufs])
-    edges = np.cumsum([0, *[b.numel for b in bufs]])
     g = pg.mesh_group
+    route = Route(g, bufs)
+    with route.stream():
+        x = route.xp.concatenate([route.flat(b) for b in bufs])
+    edges = np.cumsum([0, *[b.numel for b in bufs]])
 
     def issue(a: bool) -> Any:
-        return g.all_reduce(x, mop, factor=factor, async_op=a)
+        with route.stream():
+            return g.all_reduce(x, mop, factor=factor, async_op=a)
 
     def finish(res: np.ndarray) -> None:
         for i, b in enumerate(bufs):
@@ -572,12 +601,15 @@ def all_gather_coalesced(
             counts_equal([b], i.numel, i.name)
     if not ins:
         return Work.completed("all_gather_coalesced", output_tensor_lists) if async_op else None
-    x = np.concatenate([flat(b) for b in ins])
-    edges = np.cumsum([0, *[b.numel for b in ins]])
     g = pg.mesh_group
+    route = Route(g, ins)
+    with route.stream():
+        x = route.xp.concatenate([route.flat(b) for b in ins])
+    edges = np.cumsum([0, *[b.numel for b in ins]])
 
     def issue(a: bool) -> Any:
-        return g.all_gather(x, axis=0, async_op=a)
+        with route.stream():
+            return g.all_gather(x, axis=0, async_op=a)
 
     def finish(res: np.ndarray) -> None:
         for r, row in enumerate(outs):

@@ -9,7 +9,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -18,13 +20,14 @@ from meshcomm.distributed._errors import DistTypeError
 from meshcomm.distributed._pg import ProcessGroup
 from meshcomm.distributed._reduce_op import supports_complex, to_meshcomm
 from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
-from meshcomm.distributed._tensors import Buffer
+from meshcomm.distributed._tensors import Buffer, device_stream
 from meshcomm.distributed._work import Work
 from meshcomm.reduction import ReduceOp as MeshOp
 from meshcomm.reduction import check_op_dtype
 
 __all__ = [
     "Issue",
+    "Route",
     "counts_equal",
     "flat",
     "member",
@@ -35,6 +38,49 @@ __all__ = [
 ]
 
 Issue = Callable[[bool], Any]
+
+
+class Route:
+    """Where one call's input values go: over the group's device backend where every input
+    lives on the GPU and the group has one (cupy views of the caller's memory, worked on in
+    torch's current stream), else through host memory (numpy).
+
+    Args:
+        group: the meshcomm group.
+        inputs: the buffers whose values the call sends (decides the route).
+
+    Example:
+        >>> from meshcomm.distributed._tensors import as_buffer
+        >>> from meshcomm.group import ProcessGroup
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> b = as_buffer(np.arange(4.0).reshape(2, 2), "tensor")
+        >>> route = Route(ProcessGroup(SelfCommunicator()), [b])
+        >>> route.on_device, route.flat(b)
+        (False, array([0., 1., 2., 3.]))
+    """
+
+    def __init__(self, group: Any, inputs: Sequence[Buffer]) -> None:
+        views = [b.device_view(group) for b in inputs]
+        self.on_device = bool(views) and all(v is not None for v in views)
+        self._views: dict[int, Any] = {id(b): v for b, v in zip(inputs, views, strict=True)}
+        self._lead = inputs[0] if inputs else None
+        self.xp: ModuleType = np
+        if self.on_device:
+            import cupy
+
+            self.xp = cupy
+
+    def flat(self, buf: Buffer) -> Any:
+        """``buf``'s values, 1-D: its device view on the device route, else :func:`flat`."""
+        if self.on_device:
+            return self._views[id(buf)].reshape(-1)
+        return flat(buf)
+
+    def stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Where device work of this call runs: torch's current stream for torch tensors."""
+        if self.on_device and self._lead is not None:
+            return device_stream(self._lead)
+        return contextlib.nullcontext()
 
 
 def run(

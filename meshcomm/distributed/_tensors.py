@@ -132,9 +132,11 @@ class Buffer:
         return self.host if view is None else view
 
     def write(self, values: Any) -> None:
-        """Copy ``values`` (same number of elements and dtype; numpy, or cupy for a device
-        kind) into the caller's object."""
+        """Copy ``values`` (same number of elements and dtype; numpy or cupy) into the
+        caller's object."""
         if self._view is not None:
+            if not isinstance(values, np.ndarray):  # a device result into host memory
+                values = values.get()
             np.copyto(self._view, values.reshape(self.shape))
         elif isinstance(values, np.ndarray):
             _host_to_device(self, values.reshape(self.shape))
