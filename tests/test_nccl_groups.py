@@ -221,25 +221,31 @@ def test_a_group_runs_cupy_arrays_over_nccl(native: str) -> None:
 
 
 def _split_on_nccl(group: Any) -> list[str]:
-    """With the native binding, a split of a group whose device communicator is live is
-    ``ncclCommSplit``; before any device call it is the lazy kind."""
+    """With the native binding, a group's split makes the group's NCCL communicator if it
+    was not made yet, then splits it with ``ncclCommSplit`` (a mesh's axes this way)."""
     import cupy as cp
 
+    from meshcomm import ops
+    from meshcomm.mesh import init_device_mesh
+
     problems: list[str] = []
-    early = group.split(0)
-    if type(early._device).__name__ != "NcclCommunicator" or early._device._nccl is not None:
-        problems.append("a split before any device call made an NCCL communicator")
     x = cp.arange(6, dtype=cp.float32)
-    group.all_reduce(x)  # the world's NCCL communicator is made here
-    child = group.split(0)
-    kind = type(child._device._nccl).__name__
-    if kind != "NativeComm":
-        problems.append(f"a split of a live native communicator gave {kind}")
+    child = group.split(0)  # before any device call on the group
+    for who, made in (("the group", group._device._nccl), ("the split", child._device._nccl)):
+        if type(made).__name__ != "NativeComm":
+            problems.append(f"{who}'s NCCL communicator is {type(made).__name__}")
     got = cp.asnumpy(child.all_reduce(x))
     if not np.array_equal(got, np.arange(6, dtype=np.float32) * group.size):
         problems.append(f"all_reduce on the split group gave {got}")
+    again = group.split(0)  # from the live communicator
+    if type(again._device._nccl).__name__ != "NativeComm":
+        problems.append("a second split was not ncclCommSplit")
     if group.split(None) is not None:
         problems.append("split(None) gave a group")
+    with init_device_mesh((group.size, 1), ("dp", "tp")):
+        y = cp.asnumpy(ops.psum(x, "dp"))
+        if not np.array_equal(y, np.arange(6, dtype=np.float32) * group.size):
+            problems.append(f"ops.psum over a split mesh axis gave {y}")
     return problems
 
 

@@ -150,6 +150,9 @@ class NcclCommunicator(Communicator):
         self._codes: dict[tuple[Any, ReduceOp, str], tuple[int, int, int]] = {}
         self._caller_ready: Any = None
         self._spare_events: list[Any] = []  # completed events, refilled by the watchdog
+        # The GPU this communicator's NCCL communicator binds to: the device current when the
+        # world was made (init sets it from LOCAL_RANK), whichever thread bootstraps it.
+        self._device_id: int | None = None
 
     @classmethod
     def create_world(cls, rank: int, size: int, store: Store, timeout: float) -> NcclCommunicator:
@@ -161,7 +164,9 @@ class NcclCommunicator(Communicator):
         """
         if not 0 <= rank < size:
             raise InvalidArgument(f"nccl: rank {rank} is not in [0, {size})")
-        return cls(rank, range(size), timeout, store, _PREFIX)
+        world = cls(rank, range(size), timeout, store, _PREFIX)
+        world._device_id = int(world._cp.cuda.runtime.getDevice())
+        return world
 
     # -- lifetime ------------------------------------------------------------------------
     def _ready(self, what: str) -> Any:
@@ -172,11 +177,14 @@ class NcclCommunicator(Communicator):
             raise self._failure_kind(
                 f"{what} {self.label}: the NCCL communicator failed earlier: {self._failure}"
             )
-        if self._nccl is None:
-            self._adopt(self._bootstrap(what))
-        if self._stream is None:
-            self._stream = self._cp.cuda.Stream(non_blocking=True)
-            self._caller_ready = self._event()
+        if self._nccl is None or self._stream is None:
+            if self._device_id is None:
+                self._device_id = int(self._cp.cuda.runtime.getDevice())
+            with self._cp.cuda.Device(self._device_id):
+                if self._nccl is None:
+                    self._adopt(self._bootstrap(what))
+                self._stream = self._cp.cuda.Stream(non_blocking=True)
+                self._caller_ready = self._event()
         return self._nccl
 
     def _adopt(self, comm: Any) -> None:
@@ -219,7 +227,7 @@ class NcclCommunicator(Communicator):
             return self._native_init(what, lib, unique_id)
         made: dict[str, Any] = {}
 
-        device = self._cp.cuda.Device()
+        device = self._cp.cuda.Device()  # the communicator's (``_ready`` made it current)
 
         def init() -> None:
             try:
@@ -560,10 +568,16 @@ class NcclCommunicator(Communicator):
 
     # -- groups --------------------------------------------------------------------------
     def can_split(self) -> bool:
-        """Whether :meth:`split_sub` is ``ncclCommSplit`` now: the native binding made this
-        communicator's NCCL communicator and it has not failed."""
-        live = isinstance(self._nccl, _native.NativeComm) and self._nccl.comm != 0
-        return live and self._failure is None and not self._closed
+        """Whether :meth:`split_sub` is ``ncclCommSplit``: with the native binding (asked
+        for, or this communicator made by it) and no failure. A communicator not made yet
+        is made in :meth:`split_sub` first (every member is there: the split is collective),
+        so a mesh's axes all come from one NCCL communicator, as torch's ``new_group`` after
+        an eager init (``device_id=``)."""
+        if self._nccl is None:
+            made_here = self._native
+        else:
+            made_here = isinstance(self._nccl, _native.NativeComm) and self._nccl.comm != 0
+        return made_here and self._failure is None and not self._closed
 
     def split_sub(self, members: Sequence[int] | None) -> NcclCommunicator | None:
         """``ncclCommSplit``: collective over this communicator, where every member's
@@ -578,7 +592,7 @@ class NcclCommunicator(Communicator):
             CommTimeout: the split did not complete within the timeout.
             CommError: NCCL failed.
         """
-        comm = self._ready("split")
+        comm = self._ready("split")  # made now, by every member, if it was not yet
         child = None if members is None else self.sub(members)
         try:
             # A colour per new communicator: its lowest member, never NOCOLOR (-1).
@@ -615,4 +629,6 @@ class NcclCommunicator(Communicator):
         self._subs[members] = made + 1
         glob = [self.global_ranks[r] for r in members]
         prefix = f"{self._prefix}/sub/{'-'.join(map(str, glob))}/{made}"
-        return NcclCommunicator(members.index(self.rank), glob, self.timeout, self._store, prefix)
+        child = NcclCommunicator(members.index(self.rank), glob, self.timeout, self._store, prefix)
+        child._device_id = self._device_id
+        return child
