@@ -20,7 +20,7 @@ has() { [[ $S == *" $1 "* ]]; }
 if has facts; then
     { nvidia-smi -L; $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'NCCL', nccl.get_version())"; } 2>&1 | tee "$OUT/facts.log"
 fi
-if has nccl; then timeout 120 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py 2>&1 | tee "$OUT/nccl.log"; fi
+if has nccl; then timeout 200 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py tests/test_nccl_native.py 2>&1 | tee "$OUT/nccl.log"; fi
 if has groups; then timeout 180 $PY "${TEST[@]}" --timeout 150 tests/test_nccl_groups.py 2>&1 | tee "$OUT/groups.log"; fi
 if has gpu; then timeout 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu.py ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu.log"; fi
 if has bench; then timeout 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json" 2>&1 | tee "$OUT/bench.log"; fi

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -113,20 +114,39 @@ def main() -> None:
     def staged() -> None:
         cp.asarray(group.all_reduce(cp.asnumpy(x8)))
 
+    from meshcomm.backends.nccl import _native
+
+    lib = _native.load_library()
+    native = _native.NativeComm.init_rank(lib, 1, lib.unique_id(), 0, 60.0)
+
+    def native_out() -> None:  # the ctypes binding's call, against cupy's above
+        native.allReduce(src8, dst8, 2, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+
     paths: dict[str, Callable[[], Any]] = {
         "raw nccl, out of place": raw_out,
+        "native binding, out of place": native_out,
         "group.all_reduce(cupy)": lambda: group.all_reduce(x8),
         "group.all_reduce(numpy)": lambda: group.all_reduce(host8),
         "staged by hand": staged,
     }
     results["group"] = {}
-    for path in paths.values():
-        _per_call(path, stream.synchronize, 50)
-    for name, path in paths.items():
-        times = [_per_call(path, stream.synchronize, 500) for _ in range(args.rounds)]
-        results["group"][name] = statistics.median(times)
-        print(f"{name:>26} {statistics.median(times):8.2f}")
+
+    def time_paths(paths: dict[str, Callable[[], Any]]) -> None:
+        for path in paths.values():
+            _per_call(path, stream.synchronize, 50)
+        for name, path in paths.items():
+            times = [_per_call(path, stream.synchronize, 500) for _ in range(args.rounds)]
+            results["group"][name] = statistics.median(times)
+            print(f"{name:>30} {statistics.median(times):8.2f}")
+
+    time_paths(paths)
     meshcomm.shutdown()
+    os.environ["MESHCOMM_NCCL_NATIVE"] = "1"  # the same group path on the native binding
+    group = meshcomm.init(backend="cpu:tcp,cuda:nccl", world_size=1, rank=0)
+    time_paths({"group.all_reduce(cupy), native": lambda: group.all_reduce(x8)})
+    meshcomm.shutdown()
+    del os.environ["MESHCOMM_NCCL_NATIVE"]
+    native.destroy()
 
     print("\nparts of a call, us each (1000 in a row)")
     results["parts"] = {}
