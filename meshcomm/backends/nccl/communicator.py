@@ -604,6 +604,8 @@ class NcclCommunicator(Communicator):
         except _native.NcclFailure as exc:
             raise CommError(f"split {self.label}: {exc}") from exc
         if child is not None:
+            if made is None:
+                raise CommError(f"split {self.label}: ncclCommSplit gave no communicator")
             child._adopt(made)
         return child
 
