@@ -175,7 +175,9 @@ class Library:
             try:
                 fn = getattr(cdll, name)
             except AttributeError as exc:
-                raise ImportError(f"{self.path} has no {name}: NCCL is too old") from exc
+                raise ImportError(
+                    f"{self.path} has no {name}: not NCCL, or NCCL older than 2.18"
+                ) from exc
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self.fn[name] = fn
         self._error_string = cdll.ncclGetErrorString

@@ -136,6 +136,12 @@ class NcclCommunicator(Communicator):
         self._prefix = prefix
         self._cp, self._nccl_mod = _lib.load()
         self._native = native_requested()
+        if self._native:  # refused here, at init, rather than at the first GPU call
+            try:
+                _native.load_library()
+            except ImportError as exc:
+                asked = f"{NATIVE_VARIABLE}=1 asks for the native binding"
+                raise ImportError(f"{asked}: {exc}") from exc
         self._nccl: Any = None
         self._grouping: Any = self._nccl_mod  # what has groupStart/groupEnd for self._nccl
         self._stream: Any = None
