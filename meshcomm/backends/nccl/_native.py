@@ -418,9 +418,15 @@ class NativeComm:
             self._fn["ncclCommAbort"](handle)
 
     def destroy(self) -> None:
-        """``ncclCommFinalize`` (waited for), then ``ncclCommDestroy``. Idempotent."""
+        """``ncclCommFinalize`` (waited for), then ``ncclCommDestroy``; where finalizing
+        fails or does not settle within the timeout, ``ncclCommAbort`` instead. Never
+        raises, as cupy's ``destroy``. Idempotent."""
         if self._handle is None:
             return
-        self._run("ncclCommFinalize", self._handle)
+        try:
+            self._run("ncclCommFinalize", self._handle)
+        except (NcclFailure, TimeoutError):
+            self.abort()  # _settle aborted it already where it timed out: then a no-op
+            return
         handle, self._handle = self._handle, None
-        self._lib.check(self._fn["ncclCommDestroy"](handle), "ncclCommDestroy")
+        self._fn["ncclCommDestroy"](handle)
