@@ -180,3 +180,30 @@ def test_device_argument_errors_are_the_host_paths() -> None:
         _device_lower.all_gather(call, comm, np, np.float32(1), 0, True)
     with pytest.raises(InvalidArgument, match="group size 1"):
         _device_lower.scatter(call, comm, np, np.zeros(()), 0, None, None)
+
+
+def _device_call_of_another_dtype(group: Any) -> list[str]:
+    """Rank 0 reduces float32 where the others reduce float64, through the planned device
+    route (the host communicator standing in for the device one): every rank must raise a
+    MismatchError naming both calls, found by the first-call check over the host
+    communicator (device calls carry no stamp)."""
+    from meshcomm.errors import MismatchError
+
+    comm, me = group._comm, group.rank
+    x = np.ones(4, np.float32 if me == 0 else np.float64)
+    plan = _device_lower.plan_all_reduce(
+        Call(comm, ScratchPool(), f"rank {me}"), comm, np, x, "sum"
+    )
+    try:
+        group._issuer.run_device_plan(plan, x, False)
+    except MismatchError as exc:
+        return [str(exc)]
+    return []
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_device_call_that_differs_between_ranks_is_a_mismatch_naming_both(nprocs: int) -> None:
+    for rank, said in enumerate(run_ranks(_device_call_of_another_dtype, nprocs, timeout=60)):
+        assert len(said) == 1, f"rank {rank} raised no MismatchError"
+        assert "float32" in said[0] and "float64" in said[0], said[0]
+        assert "on a GPU" in said[0], said[0]
