@@ -156,6 +156,22 @@ def _nccl() -> dict[str, Any]:
         out["reason"] = f"cupy is installed but NCCL is not usable: {type(exc).__name__}: {exc}"
         return out
     out["available"] = True
+    out["native"] = _native_binding()
+    return out
+
+
+def _native_binding() -> dict[str, Any]:
+    """The nccl backend's own ctypes binding: asked for or not, and the libnccl it finds."""
+    from meshcomm.backends.nccl import _native
+    from meshcomm.backends.nccl.communicator import native_requested
+
+    out: dict[str, Any] = {"requested": native_requested()}
+    try:
+        lib = _native.load_library()
+    except ImportError as exc:
+        out["reason"] = str(exc)
+    else:
+        out["library"], out["version"] = lib.path, lib.version
     return out
 
 
@@ -296,10 +312,16 @@ def _backend_line(name: str, b: dict[str, Any]) -> str:
             parts.append(f"MPI not queried: {b['error']}")
         return "yes: " + ", ".join(parts)
     if name == "nccl":
-        return (
+        line = (
             f"yes: cupy {b.get('cupy')}, NCCL {b.get('nccl')} (device arrays, with "
             "init(backend='cpu:tcp,cuda:nccl'))"
         )
+        native = b.get("native")
+        if native:
+            state = "on" if native["requested"] else "off (MESHCOMM_NCCL_NATIVE=1 turns it on)"
+            found = native.get("version", f"unusable: {native.get('reason')}")
+            line += f"; native binding {state}, libnccl {found}"
+        return line
     return "yes"
 
 

@@ -229,3 +229,22 @@ def test_one_rank_that_cannot_split_keeps_every_device_communicator_lazy(world: 
         assert made == ranks  # each member's device communicator made lazily, same members
         if rank:
             assert ranks is not None and rank in ranks
+
+
+# == meshcomm-info ==========================================================================
+def test_meshcomm_info_reports_the_native_binding(monkeypatch: Any) -> None:
+    from meshcomm.info import _backend_line, _native_binding
+
+    monkeypatch.delenv(NATIVE_VARIABLE, raising=False)
+    found = _native_binding()
+    assert found["requested"] is False
+    if LIB is not None:
+        assert found["version"] == LIB.version and found["library"] == LIB.path
+    facts = {"available": True, "cupy": "14.2.0", "nccl": 22809, "native": found}
+    line = _backend_line("nccl", facts)
+    assert "native binding off (MESHCOMM_NCCL_NATIVE=1 turns it on)" in line
+    monkeypatch.setenv(NATIVE_VARIABLE, "1")
+    facts["native"] = {"requested": True, "reason": "no libnccl.so.2"}
+    assert _backend_line("nccl", facts).endswith(
+        "native binding on, libnccl unusable: no libnccl.so.2"
+    )
