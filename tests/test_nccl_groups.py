@@ -318,9 +318,9 @@ def _compat_collectives_on_nccl(group: Any) -> list[str]:
     n, me = group.size, group.rank
     problems: list[str] = []
 
-    def check(what: str, got: Any, want: Any) -> None:
+    def check(what: str, got: Any, want: Any, ledger: bool = True) -> None:
         last = group.ledger()[-1]
-        if not last["device"]:
+        if ledger and not last["device"]:
             problems.append(f"{what} went through host memory: {last}")
         if not (got.device.type == "cuda" and torch.equal(got, want.to(got.device))):
             problems.append(f"{what}: got {got}, expected {want}")
@@ -359,6 +359,14 @@ def _compat_collectives_on_nccl(group: Any) -> list[str]:
     swapped = torch.empty(6 * n, device="cuda")
     dist.all_to_all_single(swapped, torch.cat([mine] * n))
     check("all_to_all_single", swapped, every)
+    # Uneven pieces go point to point on a sibling group (device messages between ranks;
+    # at world 1 only this rank's own piece, kept on the device).
+    rows = torch.empty(2 * n, 3, device="cuda")
+    dist.all_to_all_single(rows, torch.ones(2 * n, 3, device="cuda"), [2] * n, [2] * n)
+    check("uneven all_to_all_single", rows, torch.ones(2 * n, 3), ledger=False)
+    pieces = [torch.empty(2, device="cuda") for _ in range(n)]
+    dist.all_to_all(pieces, [torch.full((2,), float(me), device="cuda") for _ in range(n)])
+    check("all_to_all", torch.cat(pieces), cuda(np.repeat(np.arange(n, dtype=float), 2)), False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         a, b = torch.ones(3, device="cuda"), torch.full((2, 2), 2.0, device="cuda")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from meshcomm.distributed._common import Route, flat, member, run, same_count, writable
+from meshcomm.distributed._common import Route, member, run, same_count, writable
 from meshcomm.distributed._errors import DistBackendError, public
 from meshcomm.distributed._pg import ProcessGroup
 from meshcomm.distributed._tensors import as_buffer, as_buffer_list, same_dtype
@@ -52,25 +52,28 @@ def _exchange(
     outputs: Any,
     finish: Callable[[list[np.ndarray]], None],
     async_op: bool,
+    route: Route,
 ) -> Work | None:
     """Send ``blocks[j]`` to group rank ``j`` and receive ``counts[i]`` elements from each
     rank ``i`` (point to point on the private sibling group); ``finish`` gets the received
-    blocks by source rank."""
+    blocks by source rank. Device blocks (``route`` on the device) go as device messages,
+    their bytes over the device backend, queued on ``route``'s stream."""
     me, size = pg.rank(), pg.size()
     if blocks[me].size != counts[me]:
         raise ValueError(
             f"{label}: this rank sends itself {blocks[me].size} elements but expects "
             f"{counts[me]} from itself"
         )
-    own = blocks[me].copy()  # the caller may reuse its input once the call is issued
     shadow = _shadow(pg)
     issued: list[Any] = []
-    for k in range(1, size):  # staggered, so rank j is not everyone's first destination
-        j = (me + k) % size
-        issued.append(shadow.send(blocks[j], j, 0, async_op=True))
     sources = [(me - k) % size for k in range(1, size)]
-    for i in sources:
-        issued.append(shadow.recv(i, 0, async_op=True))
+    with route.stream():
+        own = blocks[me].copy()  # the caller may reuse its input once the call is issued
+        for k in range(1, size):  # staggered, so rank j is not everyone's first destination
+            j = (me + k) % size
+            issued.append(shadow.send(blocks[j], j, 0, async_op=True))
+        for i in sources:
+            issued.append(shadow.recv(i, 0, async_op=True))
 
     def done(results: list[Any]) -> None:
         got: list[np.ndarray] = [np.empty(0, dtype)] * size
@@ -122,9 +125,12 @@ def all_to_all(
         for out, arr in zip(outs, got, strict=True):
             out.write(arr)
 
-    blocks = [flat(b) for b in ins]
+    route = Route(pg.mesh_group, ins)
+    blocks = [route.flat(b) for b in ins]
     counts = [o.numel for o in outs]
-    return _exchange(pg, "all_to_all", blocks, counts, dtype, output_tensor_list, finish, async_op)
+    return _exchange(
+        pg, "all_to_all", blocks, counts, dtype, output_tensor_list, finish, async_op, route
+    )
 
 
 def _splits(sizes: Any, rows: int, size: int, name: str) -> list[int] | None:
@@ -203,7 +209,8 @@ def all_to_all_single(
                 return g.all_to_all(route.flat(inp).reshape(size, -1), 0, 0, async_op=a)
 
         return run("all_to_all_single", issue, [output], out.write, async_op)
-    values = flat(inp)
+    route = Route(pg.mesh_group, [inp])
+    values = route.flat(inp)
     ins = in_splits or [inp.shape[0] // size] * size
     outs = out_splits or [out.shape[0] // size] * size
     edges = np.cumsum([0, *ins]) * row_in
@@ -211,6 +218,24 @@ def all_to_all_single(
     counts = [n * row_out for n in outs]
 
     def finish(got: list[np.ndarray]) -> None:
-        out.write(np.concatenate(got) if got else np.empty(0, out.dtype))
+        out.write(_joined(got, out.dtype))
 
-    return _exchange(pg, "all_to_all_single", blocks, counts, out.dtype, [output], finish, async_op)
+    return _exchange(
+        pg, "all_to_all_single", blocks, counts, out.dtype, [output], finish, async_op, route
+    )
+
+
+def _joined(pieces: list[Any], dtype: np.dtype) -> Any:
+    """The pieces end to end: on the device if any piece is a device array, else numpy.
+
+    Example:
+        >>> _joined([np.arange(2), np.arange(1)], np.dtype(np.int64))
+        array([0, 1, 0])
+    """
+    if not pieces:
+        return np.empty(0, dtype)
+    if all(type(p) is np.ndarray for p in pieces):
+        return np.concatenate(pieces)
+    import cupy
+
+    return cupy.concatenate([cupy.asarray(p) for p in pieces])
