@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshcomm import _fingerprint
 from meshcomm._arrays import check_dtype
@@ -49,6 +49,9 @@ from meshcomm._lower import (
 from meshcomm.backends.base import Communicator
 from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "DevicePlan",
@@ -103,21 +106,42 @@ def _scale(xp: ModuleType, x: Any, factor: Any) -> Any:
 
 def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: Any) -> Lowered:
     """Lower ``all_reduce`` of a device array: reduced into a new array (out of place)."""
+    dt, rop, f, prim = _reduction(c, dev, x, op, factor)
+    return _reducing(c, dev, xp, x, dt, f, xp.empty(x.shape, dtype=x.dtype), prim, rop)
+
+
+def _reduction(
+    c: Call, dev: Communicator, x: Any, op: Any, factor: Any
+) -> tuple[np.dtype, ReduceOp, Any, ReduceOp]:
+    """What every reducing lowering checks first: ``(dtype, op, factor, primitive op)``,
+    where the primitive op is the one the device runs (``avg`` and ``premul_sum`` are sums).
+
+    Raises:
+        TypeError: the dtype is unsupported, or the device cannot reduce it with that op.
+        InvalidArgument: an unknown op, or a factor missing or misplaced.
+    """
     dt = check_dtype(x.dtype, c.where)
     rop, f = reduce_op_and_factor(c, op, dt, factor)
     prim = ReduceOp.SUM if rop in COMPOSED else rop
     dev.check_reduction(dt, prim, c.where)
-    send = _flat(xp, x if f is None else _scale(xp, x, f))
-    body = _reducing(xp, dev, send, xp.empty(x.shape, dtype=x.dtype), prim, rop, c.size)
-    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+    return dt, rop, f, prim
 
 
 def _reducing(
-    xp: ModuleType, dev: Communicator, send: Any, out: Any, prim: ReduceOp, rop: ReduceOp, size: int
-) -> Callable[[], Any]:
-    """The body that reduces flat C-contiguous ``send`` into C-contiguous ``out`` (``avg``:
-    then divides) and returns ``out``."""
-    flat_out = _flat(xp, out)
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    dt: np.dtype,
+    f: Any,
+    out: Any,
+    prim: ReduceOp,
+    rop: ReduceOp,
+) -> Lowered:
+    """The lowering that reduces ``x`` (times ``f`` where given) into C-contiguous ``out``
+    (``avg``: then divides) and returns ``out``."""
+    send = _flat(xp, x if f is None else _scale(xp, x, f))
+    flat_out, size = _flat(xp, out), c.size
 
     def body() -> Any:
         dev.all_reduce_out(send, flat_out, prim)
@@ -125,7 +149,7 @@ def _reducing(
             xp.true_divide(out, size, out=out)
         return out
 
-    return body
+    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
 
 
 def all_reduce_into(
@@ -156,12 +180,8 @@ def all_reduce_into(
             f"{tuple(x.shape)} and dtype {x.dtype}; got {type(out).__name__} of shape "
             f"{tuple(getattr(out, 'shape', ()))} and dtype {getattr(out, 'dtype', None)}"
         )
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
-    dev.check_reduction(dt, prim, c.where)
-    send = _flat(xp, x if f is None else _scale(xp, x, f))
-    body = _reducing(xp, dev, send, out, prim, rop, c.size)
-    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+    _, rop, f, prim = _reduction(c, dev, x, op, factor)
+    return _reducing(c, dev, xp, x, dt, f, out, prim, rop)
 
 
 class DevicePlan:
@@ -205,10 +225,7 @@ def plan_all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any)
         >>> plan.run(np.arange(2.0)), plan.fields["reduce"]
         (array([0., 1.]), <ReduceOp.AVG: 'avg'>)
     """
-    dt = check_dtype(x.dtype, c.where)
-    rop, _ = reduce_op_and_factor(c, op, dt, None)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
-    dev.check_reduction(dt, prim, c.where)
+    dt, rop, _, prim = _reduction(c, dev, x, op, None)
     shape, size = tuple(x.shape), c.size
     # The ndarray constructor: what xp.empty calls, minus 0.5 us of Python on cupy.
     empty, reduce_out, divide = xp.ndarray, dev.all_reduce_out, xp.true_divide
@@ -254,10 +271,7 @@ def reduce_scatter(
     c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, axis: Any, tiled: bool, factor: Any
 ) -> Lowered:
     """Lower ``reduce_scatter`` of a device array: this rank's block of the reduction."""
-    dt = check_dtype(x.dtype, c.where)
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
-    dev.check_reduction(dt, prim, c.where)
+    dt, rop, f, prim = _reduction(c, dev, x, op, factor)
     ax, block = split_blocks(c, x, axis, tiled, "axis")
     size = c.size
     send = _rank_major(xp, x if f is None else _scale(xp, x, f), ax, size, tiled).reshape(-1)
@@ -321,10 +335,7 @@ def reduce(
 ) -> Lowered:
     """Lower ``reduce`` of a device array: the reduction on root, None elsewhere."""
     r = rank_arg(c, root, "root")
-    dt = check_dtype(x.dtype, c.where)
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
-    dev.check_reduction(dt, prim, c.where)
+    dt, rop, f, prim = _reduction(c, dev, x, op, factor)
     buf = xp.array(x, copy=True, order="C") if f is None else _scale(xp, x, f)
     is_root, size = r == c.rank, c.size
 
