@@ -63,7 +63,8 @@ class Route:
         views = [b.device_view(group) for b in inputs]
         self.on_device = bool(views) and all(v is not None for v in views)
         self._views: dict[int, Any] = {id(b): v for b, v in zip(inputs, views, strict=True)}
-        self._lead = inputs[0] if inputs else None
+        # Whose stream device work runs on (torch's current one for a torch tensor).
+        self._lead = inputs[0] if self.on_device else None
         self.xp: ModuleType = np
         if self.on_device:
             import cupy
@@ -78,9 +79,9 @@ class Route:
 
     def stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where device work of this call runs: torch's current stream for torch tensors."""
-        if self.on_device and self._lead is not None:
-            return device_stream(self._lead)
-        return contextlib.nullcontext()
+        if self._lead is None:
+            return contextlib.nullcontext()
+        return device_stream(self._lead)
 
 
 def run(
