@@ -90,11 +90,6 @@ def test_a_missing_library_names_the_wheel_and_the_variable(monkeypatch: Any) ->
         _native.load_library()
 
 
-def test_a_unique_id_of_the_wrong_length_is_refused_before_nccl() -> None:
-    with pytest.raises(ValueError):
-        _native.UniqueId.from_buffer_copy(b"\x00" * 12)
-
-
 def test_the_native_binding_is_off_unless_asked_for(monkeypatch: Any) -> None:
     monkeypatch.delenv(NATIVE_VARIABLE, raising=False)
     assert not native_requested()
