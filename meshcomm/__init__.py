@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from meshcomm.errors import (
@@ -45,7 +46,7 @@ from meshcomm.info import info
 from meshcomm.spawn import SpawnContext, spawn
 
 if TYPE_CHECKING:
-    from meshcomm import distributed, ops
+    from meshcomm import c10d, distributed, ops
     from meshcomm.group import ProcessGroup, Work, new_group
     from meshcomm.mesh import DeviceMesh, current_mesh, init_device_mesh
     from meshcomm.reduction import ReduceOp
@@ -56,6 +57,7 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; resolved by __getattr__ on first access.
 _LAZY = {
+    "c10d": "meshcomm.c10d",
     "ops": "meshcomm.ops",
     "distributed": "meshcomm.distributed",
     "DeviceMesh": "meshcomm.mesh",
@@ -77,7 +79,7 @@ _LAZY = {
     "shutdown": "meshcomm.world",
 }
 
-_SUBMODULES = frozenset({"ops", "distributed"})
+_SUBMODULES = frozenset({"ops", "distributed", "c10d"})
 
 __all__ = [
     "CommError",
@@ -105,6 +107,7 @@ __all__ = [
     "TCPStore",
     "Work",
     "__version__",
+    "c10d",
     "current_mesh",
     "distributed",
     "get_world",
@@ -132,3 +135,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+# torch already imported (and meshcomm not installed with its entry point, say on PYTHONPATH):
+# register the "meshcomm" process-group backend now, cheaply; torch's autoload does it otherwise.
+if "torch.distributed" in sys.modules:
+    from meshcomm._torch_autoload import register as _register_torch_backend
+
+    _register_torch_backend()
