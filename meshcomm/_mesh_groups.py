@@ -125,6 +125,25 @@ class MeshGroups:
                     )
                 self._groups[(axis,)] = group
 
+    def adopt(self, axes: tuple[int, ...], group: ProcessGroup) -> None:
+        """Use an existing group as the one over root ``axes`` (no I/O).
+
+        Raises:
+            InvalidArgument: its ranks are not those of the axes through this rank.
+        """
+        me = self.my_rank()
+        coord = self.coordinate(me)
+        if coord is None:
+            raise InvalidArgument(f"rank {me} is not in this mesh: it belongs to no group")
+        members = self.members(axes, coord)
+        if tuple(group.ranks) != members:
+            raise InvalidArgument(
+                f"rank {me}: group {group.name!r} has ranks {list(group.ranks)}, but mesh axes "
+                f"{axes} through this rank hold {list(members)}"
+            )
+        with self._lock:
+            self._groups[axes] = group
+
     def group(self, axes: tuple[int, ...]) -> ProcessGroup:
         """The group over root ``axes``, in that order (rank = row-major index over them)."""
         with self._lock:

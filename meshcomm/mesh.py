@@ -199,6 +199,59 @@ class DeviceMesh:
         out._grid, out._names, out._root, out._dims = frozen, names, root, dims
         return out
 
+    @classmethod
+    def from_groups(
+        cls,
+        mesh: Any,
+        mesh_dim_names: Sequence[str],
+        groups: Sequence[ProcessGroup],
+        *,
+        group: ProcessGroup | None = None,
+    ) -> DeviceMesh:
+        """Return a mesh whose axes are existing groups (no group is made, no I/O).
+
+        ``groups[d]`` must hold the ranks of axis ``d`` through this rank, in axis order:
+        the groups of a torch ``DeviceMesh`` on backend ``"meshcomm"``
+        (:func:`meshcomm.c10d.from_torch_mesh`), or of another meshcomm mesh.
+
+        Args:
+            mesh: the global ranks, as for the constructor.
+            mesh_dim_names: one name per axis.
+            groups: one group per axis.
+            group: the group whose ranks ``mesh`` holds (default: the world).
+
+        Raises:
+            InvalidArgument: a group whose ranks are not its axis's, or one group too many
+                or too few.
+
+        Example:
+            >>> import meshcomm.world as world
+            >>> w = world.init(world_size=1)
+            >>> mesh = DeviceMesh.from_groups([[0]], ("dp", "tp"), [w, w])
+            >>> mesh.get_group("tp") is w
+            True
+            >>> world.shutdown()
+        """
+        out = cls(mesh, mesh_dim_names, group=group)
+        if len(groups) != out.ndim:
+            raise InvalidArgument(
+                f"from_groups: {len(groups)} groups for a mesh of {out.ndim} dims "
+                f"{out.mesh_dim_names}; give one group per dim"
+            )
+        for d, g in enumerate(groups):
+            out._root.adopt((d,), g)
+        return out
+
+    def to_torch(self, device_type: str | None = None) -> Any:
+        """Return torch's ``DeviceMesh`` over this mesh's ranks, names and groups.
+
+        See :func:`meshcomm.c10d.to_torch_mesh` (torch's default group on backend
+        ``"meshcomm"`` is initialized first if nothing did).
+        """
+        from meshcomm.c10d import to_torch_mesh
+
+        return to_torch_mesh(self, device_type)
+
     # -- the grid ------------------------------------------------------------------------
     @property
     def mesh(self) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from meshcomm.c10d._backend import create_group, register, registered
 from meshcomm.c10d._errors import as_torch_error
+from meshcomm.c10d._mesh import from_torch_mesh, to_torch_mesh, torch_group
 from meshcomm.c10d._process_group import BACKEND_NAME, MeshcommProcessGroup, Unsupported
 from meshcomm.c10d._work import TorchWork
 
@@ -30,8 +31,11 @@ __all__ = [
     "Unsupported",
     "as_torch_error",
     "create_group",
+    "from_torch_mesh",
     "register",
     "registered",
+    "to_torch_mesh",
+    "torch_group",
 ]
 
 register()
