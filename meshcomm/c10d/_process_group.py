@@ -36,7 +36,9 @@ from meshcomm import distributed as inplace
 from meshcomm.c10d._errors import as_torch_error
 from meshcomm.c10d._work import TorchWork, completed
 from meshcomm.distributed._pg import ProcessGroup as Handle
+from meshcomm.distributed._state import STATE as _STATE
 from meshcomm.group import ProcessGroup as MeshGroup
+from meshcomm.reduction import ReduceOp as MeshOp
 
 __all__ = ["BACKEND_NAME", "MeshcommProcessGroup", "Unsupported"]
 
@@ -48,6 +50,27 @@ R = TypeVar("R")
 
 # torch's "no per-call timeout" (``kUnsetTimeout``, -1 ms).
 _UNSET = timedelta(milliseconds=-1)
+
+# What the inline all-reduce takes: numpy views torch hands out without a copy, and the ops
+# meshcomm reduces natively (AVG and PREMUL_SUM take the general route's wrapping).
+_INLINE_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+    }
+)
+_INLINE_OPS = {
+    dist.ReduceOp.SUM: MeshOp.SUM,
+    dist.ReduceOp.PRODUCT: MeshOp.PROD,
+    dist.ReduceOp.MIN: MeshOp.MIN,
+    dist.ReduceOp.MAX: MeshOp.MAX,
+}
 
 
 class Unsupported(NotImplementedError):
@@ -175,11 +198,39 @@ class MeshcommProcessGroup(_TorchProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         """All-reduce one tensor in place (``dist.all_reduce``, the DDP reducer, funcol)."""
         opts = dist.AllreduceOptions() if opts is None else opts
+        if len(tensors) == 1 and not opts.asyncOp:
+            done = self._allreduce_inline(tensors, opts)
+            if done is not None:
+                return done
         t = self._one(tensors, "allreduce")
         op = _reduce_op(opts.reduceOp, "allreduce", self)
         return self._issue(
             opts, lambda a: inplace.all_reduce(t, op, group=self._handle, async_op=a), tensors
         )
+
+    def _allreduce_inline(self, tensors: list[torch.Tensor], opts: Any) -> TorchWork | None:
+        """The blocking all-reduce of one dense host tensor, straight on the meshcomm group.
+
+        Small all-reduces are latency: this skips the in-place layer's general checks
+        (the group still checks the op against the dtype) and reduces the tensor's own
+        memory in place. None: not that case, take the general route.
+        """
+        t = tensors[0]
+        mop = _INLINE_OPS.get(opts.reduceOp.op)
+        if (
+            mop is None
+            or t.dtype not in _INLINE_DTYPES
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or opts.timeout != _UNSET
+        ):
+            return None
+        mine = t.detach().numpy()
+        if _STATE.pending:  # deferred receives keep their place before this call
+            _STATE.flush()
+        self._sequence += 1
+        self.mesh_group.all_reduce(mine, mop, out=mine)
+        return completed(tensors)
 
     @_translated
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
