@@ -4,7 +4,8 @@
 #   bash bench/gpu_checks.sh [SECTION ...]     (default: facts nccl groups gpu bench)
 #
 # Sections: facts (GPU, cupy, NCCL), nccl (tests/test_nccl.py), groups
-# (tests/test_nccl_groups.py), gpu (tests/test_gpu.py; GPU_K=expr narrows it), bench
+# (tests/test_nccl_groups.py), c10d (tests/test_c10d_gpu.py: the torch backend "meshcomm"
+# with CUDA tensors), gpu (tests/test_gpu.py; GPU_K=expr narrows it), bench
 # (bench/nccl_overhead.py), staging (bench/gpu_staging.py), mbench (meshcomm-bench --backend
 # nccl), meshrun (meshrun --backend nccl --nproc-per-node gpu), overlap (bench/overlap.py:
 # needs no GPU, but such a machine has a core per rank). Logs go to $OUT (default
@@ -21,6 +22,7 @@ if has facts; then
     { nvidia-smi -L; $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'NCCL', nccl.get_version())"; } 2>&1 | tee "$OUT/facts.log"
 fi
 if has nccl; then timeout 200 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py tests/test_nccl_native.py 2>&1 | tee "$OUT/nccl.log"; fi
+if has c10d; then timeout 240 $PY "${TEST[@]}" --timeout 220 tests/test_c10d_gpu.py 2>&1 | tee "$OUT/c10d.log"; fi
 if has groups; then timeout 180 $PY "${TEST[@]}" --timeout 150 tests/test_nccl_groups.py 2>&1 | tee "$OUT/groups.log"; fi
 if has gpu; then timeout 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu.py ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu.log"; fi
 if has bench; then timeout 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json" 2>&1 | tee "$OUT/bench.log"; fi
