@@ -437,6 +437,12 @@ def _into(plan: _plans.Plan, x: np.ndarray, out: np.ndarray) -> Runner:
     memory, the plan's own where ``x`` is C-contiguous, else ``x`` copied into ``out`` and
     reduced there."""
     in_place, plain = plan.run_in_place, plan.run
+    if x is out and in_place is not None:  # the common in-place call: no address to compare
+
+        def run_here(x: np.ndarray, out: np.ndarray) -> None:
+            in_place(out)
+
+        return run_here
     if x.flags.c_contiguous and x.ctypes.data != out.ctypes.data:
         return plain
     if in_place is None:  # a plan without an in-place runner reads a C-contiguous copy

@@ -333,6 +333,17 @@ class ProcessGroup(SubGroups, PointToPoint):
             True
         """
         if out is not None:
+            if (
+                out is x
+                and type(x) is np.ndarray
+                and factor is None
+                and x.flags.c_contiguous
+                and x.flags.writeable
+            ):  # in place (the DDP bucket, torch's all_reduce): what check_out asks holds
+                plan = self._plan(
+                    ("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op
+                )
+                return self._run_plan(plan, x, async_op, x)
             return self._all_reduce_into(x, op, factor, async_op, out)
         if type(x) is np.ndarray and factor is None:
             plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)

@@ -65,12 +65,15 @@ _INLINE_DTYPES = frozenset(
         torch.uint8,
     }
 )
-_INLINE_OPS = {
-    dist.ReduceOp.SUM: MeshOp.SUM,
-    dist.ReduceOp.PRODUCT: MeshOp.PROD,
-    dist.ReduceOp.MIN: MeshOp.MIN,
-    dist.ReduceOp.MAX: MeshOp.MAX,
-}
+# Indexed by torch's RedOpType value (hashing torch's enum costs more than the lookup).
+_INLINE_OPS: tuple[MeshOp | None, ...] = (
+    MeshOp.SUM,  # SUM = 0
+    None,  # AVG
+    MeshOp.PROD,  # PRODUCT
+    MeshOp.MIN,
+    MeshOp.MAX,
+    None,  # BAND, BOR, BXOR, PREMUL_SUM, ... take the general route
+)
 
 
 class Unsupported(NotImplementedError):
@@ -216,16 +219,17 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         memory in place. None: not that case, take the general route.
         """
         t = tensors[0]
-        mop = _INLINE_OPS.get(opts.reduceOp.op)
+        kind = opts.reduceOp.op.value
+        mop = _INLINE_OPS[kind] if kind < len(_INLINE_OPS) else None
         if (
             mop is None
             or t.dtype not in _INLINE_DTYPES
-            or t.device.type != "cpu"
+            or not t.is_cpu
             or not t.is_contiguous()
             or opts.timeout != _UNSET
         ):
             return None
-        mine = t.detach().numpy()
+        mine = t.detach().numpy() if t.requires_grad else t.numpy()
         if _STATE.pending:  # deferred receives keep their place before this call
             _STATE.flush()
         self._sequence += 1
