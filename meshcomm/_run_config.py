@@ -52,6 +52,11 @@ class LaunchConfig:
         secret: the job's ``MESHCOMM_SECRET`` given to every rank and to the store this node
             hosts; None runs the job unauthenticated (``--no-secret``).
         torchrun: torchrun's other flags: restarts, logs, rendezvous backend, role, ...
+        torch_master_addr: ``MASTER_ADDR`` in the ranks: node 0's address, where torch's
+            rank 0 serves torch's own store; None: ``master_addr``.
+        torch_master_port: ``MASTER_PORT`` in the ranks: the port node 0's launcher keeps
+            for torch's rank 0 (:mod:`meshcomm._run_torch_port`); None (a config that
+            :func:`meshcomm.run.launch` has not prepared) names meshrun's store instead.
     """
 
     nproc_per_node: int
@@ -71,6 +76,8 @@ class LaunchConfig:
     # Never in a repr: a LaunchConfig may be printed or logged.
     secret: str | None = field(default=None, repr=False)
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+    torch_master_addr: str | None = None
+    torch_master_port: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -88,6 +95,11 @@ def child_environment(
     rank_log_dir: str | None = None,
 ) -> dict[str, str]:
     """Return the environment of one rank: ``base`` plus the torchrun variables.
+
+    meshcomm finds meshrun's store through ``MESHCOMM_MASTER_ADDR``/``MESHCOMM_MASTER_PORT``
+    (with ``MESHCOMM_STORE_HOSTED=1``); ``MASTER_ADDR``/``MASTER_PORT`` are left to torch's
+    own ``init_process_group``, whose rank 0 serves torch's store there
+    (``config.torch_master_*``), as it does without torchrun's agent.
 
     Args:
         config: the launch configuration.
@@ -107,6 +119,8 @@ def child_environment(
         ('3', '4', '1', '1')
         >>> "MESHCOMM_SECRET" in env  # --no-secret; else the job's secret
         False
+        >>> env["MESHCOMM_MASTER_ADDR"], env["MESHCOMM_MASTER_PORT"]  # meshrun's store
+        ('10.0.0.1', '29500')
     """
     env = dict(os.environ if base is None else base)
     for name in SHADOWING_VARIABLES:
@@ -124,6 +138,16 @@ def child_environment(
             run_id=config.run_id,
         )
     )
+    # meshcomm's own variables outrank MASTER_*, so meshcomm.init() keeps meshrun's store
+    # whatever torch's rank 0 serves on MASTER_PORT.
+    env["MESHCOMM_MASTER_ADDR"] = config.master_addr
+    env["MESHCOMM_MASTER_PORT"] = str(master_port)
+    if config.torch_master_port is not None:
+        env["MASTER_ADDR"] = config.torch_master_addr or config.master_addr
+        env["MASTER_PORT"] = str(config.torch_master_port)
+    # An inherited True (meshrun inside a torchrun worker) would make torch's rank 0 wait
+    # for an agent's store that nobody serves here.
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     torchrun_environment(env, config.torchrun, local_rank, restart, rank_log_dir)
     env["PYTHONUNBUFFERED"] = "1"
     if config.secret:

@@ -9,10 +9,13 @@ Usage (the same spellings as ``torchrun``; ``--nproc_per_node`` works too)::
 
 Each rank gets the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ...), so
-``meshcomm.init()`` (and ``torch.distributed.init_process_group("env://")``) work unchanged.
-The launcher itself hosts the rendezvous store and sets ``MESHCOMM_STORE_HOSTED=1``: on one
-node it binds 127.0.0.1 on a port the kernel picks (no race), on several nodes node 0 binds
-``--master-port`` on every interface.
+``meshcomm.init()`` and ``torch.distributed.init_process_group("gloo")`` (env://) work
+unchanged, alone or both in one program. The launcher itself hosts meshcomm's rendezvous
+store, named by ``MESHCOMM_MASTER_ADDR``/``MESHCOMM_MASTER_PORT`` with
+``MESHCOMM_STORE_HOSTED=1``: on one node it binds 127.0.0.1 on a port the kernel picks (no
+race), on several nodes node 0 binds ``--master-port`` on every interface. ``MASTER_PORT`` is
+another free port that node 0's launcher keeps for torch's rank 0, which serves torch's own
+store there as it does without torchrun's agent (:mod:`meshcomm._run_torch_port`).
 
 ``--backend mpi`` starts the ranks as one MPI job instead, through ``mpiexec`` (see
 :mod:`meshcomm._mpiexec`): same output labels, same stop-everything-on-failure, same exit
@@ -53,9 +56,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from meshcomm._forkrun import preload, single_threaded
@@ -69,6 +74,12 @@ from meshcomm._run_config import (
 )
 from meshcomm._run_signals import catch_stop_signals, report_signal
 from meshcomm._run_supervisor import Supervisor
+from meshcomm._run_torch_port import (
+    PortReservation,
+    fetch_endpoint,
+    node0_address,
+    publish_endpoint,
+)
 from meshcomm.errors import MeshCommError
 
 if TYPE_CHECKING:
@@ -130,6 +141,23 @@ def launch(config: LaunchConfig) -> int:
             print(f"meshrun: {exc}", file=sys.stderr)
             return 1
         port = server.port if server is not None else config.master_port
+        reservation = None
+        try:
+            config, reservation = _torch_endpoint(config, port, hosts_store=server is not None)
+        except (MeshCommError, OSError) as exc:
+            print(f"meshrun: {exc}", file=sys.stderr)
+            if server is not None:
+                server.close()
+            return 1
+        publish = None
+        if reservation is not None and config.nnodes > 1:
+            publish = functools.partial(
+                publish_endpoint,
+                config,
+                port,
+                config.torch_master_addr or config.master_addr,
+                reservation.port,
+            )
         run_logs = RunLogs(config.torchrun.logs, config.run_id)
         to_start = None if serving else server
         try:
@@ -140,8 +168,8 @@ def launch(config: LaunchConfig) -> int:
                 )
                 if restart == 0 and run_logs.run_dir is not None:
                     attempt.err.say(f"rank log files in {run_logs.run_dir}")
-                status = _run_attempt(attempt, to_start, handlers, wakeup_fd, received)
-                to_start = None
+                status = _run_attempt(attempt, to_start, handlers, wakeup_fd, received, publish)
+                to_start = publish = None
                 if not should_restart(status, attempt.stop_signal, restart, config):
                     return status
                 stops = [n for n in received if n != report]
@@ -167,6 +195,26 @@ def launch(config: LaunchConfig) -> int:
         finally:
             if server is not None:
                 server.close()
+            if reservation is not None:
+                reservation.close()
+
+
+def _torch_endpoint(
+    config: LaunchConfig, store_port: int, hosts_store: bool
+) -> tuple[LaunchConfig, PortReservation | None]:
+    """Set where torch's rank 0 serves torch's own store (``MASTER_ADDR``/``MASTER_PORT``).
+
+    Node 0 reserves the port for the whole run (restarts reuse it; torch rebinds it past
+    ``TIME_WAIT``); the other nodes wait for node 0 to publish it in meshrun's store.
+    """
+    if config.node_rank == 0:
+        reservation = PortReservation()
+        addr = node0_address(config, hosts_store)
+        return replace(config, torch_master_addr=addr, torch_master_port=reservation.port), (
+            reservation
+        )
+    addr, port = fetch_endpoint(config, store_port)
+    return replace(config, torch_master_addr=addr, torch_master_port=port), None
 
 
 def should_restart(
@@ -208,8 +256,13 @@ def _run_attempt(
     handlers: dict[int, Any],
     wakeup_fd: int | None,
     received: list[int],
+    publish: Callable[[], None] | None = None,
 ) -> int:
-    """Start one attempt's ranks (forked when this process may fork) and supervise them."""
+    """Start one attempt's ranks (forked when this process may fork) and supervise them.
+
+    ``publish`` (node 0 of several) tells the other nodes torch's endpoint once this node's
+    store serves.
+    """
     config = supervisor.config
     try:
         # A store already serving (a restart, or c10d) has a thread: _prepare_fork says no, and
@@ -224,6 +277,13 @@ def _run_attempt(
         supervisor.err.say(f"cannot start {config.command[0]!r}: {exc}")
         supervisor.abort()
         return 1
+    if publish is not None:
+        try:
+            publish()
+        except MeshCommError as exc:
+            supervisor.err.say(str(exc))
+            supervisor.abort()
+            return 1
     return supervisor.run(wakeup_fd, received)
 
 

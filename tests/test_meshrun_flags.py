@@ -110,7 +110,8 @@ def test_without_restarts_a_failure_ends_the_run(tmp_path: Path) -> None:
 RESTARTED = COLLECTIVE.replace(
     "meshcomm.shutdown()",
     """from meshcomm.store import TCPStore
-store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+store = TCPStore(os.environ["MESHCOMM_MASTER_ADDR"], int(os.environ["MESHCOMM_MASTER_PORT"]),
+                 timeout=30)
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 print(f"attempt {attempt} rank {group.rank} sees the old key: {store.check(['left-behind'])}")
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and group.rank == 1:

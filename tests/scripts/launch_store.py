@@ -13,7 +13,9 @@ from meshcomm.store import TCPStore
 
 def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+    # meshrun names its store in meshcomm's variables; MASTER_PORT is torch's rank 0's.
+    addr, port = os.environ["MESHCOMM_MASTER_ADDR"], int(os.environ["MESHCOMM_MASTER_PORT"])
+    store = TCPStore(addr, port, timeout=30)
     try:
         store.set(f"value/{rank}", str(10 * rank))
         total = sum(int(store.get(f"value/{r}")) for r in range(world_size))
