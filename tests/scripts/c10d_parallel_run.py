@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -183,13 +183,13 @@ def scenario_tp(tp_mesh: DeviceMesh) -> Record:
 class Net(nn.Module):
     """A small model for FSDP2: three linears and a LayerNorm."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = DTYPE) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            [nn.Linear(12, 24, dtype=DTYPE), nn.Linear(24, 24, dtype=DTYPE)]
+            [nn.Linear(12, 24, dtype=dtype), nn.Linear(24, 24, dtype=dtype)]
         )
-        self.norm = nn.LayerNorm(24, dtype=DTYPE)
-        self.head = nn.Linear(24, 5, dtype=DTYPE)
+        self.norm = nn.LayerNorm(24, dtype=dtype)
+        self.head = nn.Linear(24, 5, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -197,23 +197,30 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
-def _fsdp_model(mesh: DeviceMesh) -> Net:
+def _fsdp_model(mesh: DeviceMesh, dtype: torch.dtype = DTYPE) -> Net:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(dtype)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _train(model: nn.Module, steps: int, seed: int) -> list[torch.Tensor]:
-    """``steps`` Adam steps on this rank's batches; the losses."""
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+def _train(
+    model: nn.Module,
+    steps: int,
+    seed: int,
+    dtype: torch.dtype = DTYPE,
+    opt: torch.optim.Optimizer | None = None,
+) -> list[torch.Tensor]:
+    """``steps`` optimizer steps (default: Adam) on this rank's batches; the losses."""
+    if opt is None:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        x = torch.randn(6, 12, dtype=DTYPE, generator=gen)
-        target = torch.randn(6, 5, dtype=DTYPE, generator=gen)
+        x = torch.randn(6, 12, dtype=dtype, generator=gen)
+        target = torch.randn(6, 5, dtype=dtype, generator=gen)
         loss = nn.functional.mse_loss(model(x), target)
         loss.backward()
         opt.step()
@@ -229,6 +236,37 @@ def scenario_fsdp(mesh: DeviceMesh, tag: str) -> Record:
     losses = _train(model, 3, seed=100 + dist.get_rank())
     out[f"{tag} losses"] = torch.stack(losses)
     out |= {f"{tag} {k}": v for k, v in _params(model).items()}
+    return out
+
+
+def scenario_fsdp_float32(mesh: DeviceMesh) -> Record:
+    """FSDP2 in float32: gradients reduce-scattered with AVG, and with PREMUL_SUM.
+
+    In float32 (and bf16) FSDP2 asks the backend for ``ReduceOp.AVG``, and, with a gradient
+    divide factor other than the group size, for ``PREMUL_SUM(1 / factor)``, which gloo
+    refuses. The PREMUL_SUM run takes SGD steps; so does an AVG run whose learning rate is
+    scaled to the same update (its values are the oracle for the PREMUL_SUM run).
+    """
+    world = dist.get_world_size()
+    f32 = torch.float32
+    out: Record = {}
+    model = _fsdp_model(mesh, f32)
+    out["fsdp32 avg losses"] = torch.stack(_train(model, 3, 500 + dist.get_rank(), f32))
+    out |= {f"fsdp32 avg {k}": v for k, v in _params(model).items()}
+
+    factor, lr = 3.0, 0.1
+    model = _fsdp_model(mesh, f32)
+    sgd = torch.optim.SGD(model.parameters(), lr=lr * world / factor)
+    _train(model, 2, 600 + dist.get_rank(), f32, sgd)
+    out |= {f"fsdp32 sgd-avg {k}": v for k, v in _params(model).items()}
+    if dist.get_backend() != "gloo":  # gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo"
+        model = _fsdp_model(mesh, f32)
+        for module in model.modules():  # each fully_shard unit has its own factor
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(factor)
+        sgd = torch.optim.SGD(model.parameters(), lr=lr)
+        _train(model, 2, 600 + dist.get_rank(), f32, sgd)
+        out |= {f"fsdp32 premul {k}": v for k, v in _params(model).items()}
     return out
 
 
@@ -319,6 +357,7 @@ def main(backend: str, out_dir: Path, other: Path | None) -> None:
     _run(record, "dtensor", lambda: scenario_dtensor(mesh))
     _run(record, "tp", lambda: scenario_tp(tp_mesh))
     _run(record, "fsdp", lambda: scenario_fsdp(flat, "fsdp"))
+    _run(record, "fsdp32", lambda: scenario_fsdp_float32(flat))
     if world == 4:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _run(record, "hsdp", lambda: scenario_fsdp(hsdp, "hsdp"))
