@@ -17,8 +17,9 @@ here compare backend "meshcomm" with backend "gloo":
 
 Values are float64. They must be bit-equal to gloo's except where a sum runs over more than
 two ranks (FSDP2's reduce-scatter of gradients at world 4: gloo and meshcomm add in different
-orders), which must agree to 1e-12. examples/torch_tp.py and examples/torch_fsdp2.py run
-with only the backend string changed and train the same weights bit for bit.
+orders), which must agree to 1e-12. The meshcomm job runs again under meshrun and gives
+the same values. examples/torch_tp.py and examples/torch_fsdp2.py run with only the backend
+string changed and train the same weights bit for bit.
 
 Skipped, with the reason, when torch is not installed.
 """
@@ -226,6 +227,27 @@ def test_distributed_checkpoint_round_trip(jobs: Jobs, world: int) -> None:
             # gloo's checkpoint, loaded over meshcomm: gloo's saved values, bit for bit.
             expected = gloo[rank]["values"][f"dcp saved {name}"]
             assert torch.equal(values[f"dcp other {name}"], expected), f"{name} from gloo's"
+
+
+@pytest.mark.timeout(300)
+def test_the_same_job_under_meshrun(jobs: Jobs) -> None:
+    """Every scenario under meshrun (its store, torch's env://) equals the torchrun job's."""
+    import torch
+
+    out_dir = jobs.root / "meshrun-2"
+    out_dir.mkdir()
+    gloo_ckpt = str(jobs.root / "gloo-2" / "ckpt")
+    want = jobs.records("meshcomm", 2)
+    command = [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", "2"]
+    command += [str(SCRIPT), "meshcomm", str(out_dir), gloo_ckpt]
+    code, out = _run(command, _clean_env())
+    assert code == 0, f"meshrun exited with {code}:\n{out[-6000:]}"
+    for rank in range(2):
+        got = torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
+        assert got["backend"] == "meshcomm" and not got["errors"], got["errors"]
+        assert sorted(got["values"]) == sorted(want[rank]["values"])
+        for key, value in got["values"].items():
+            assert torch.equal(value, want[rank]["values"][key]), f"{key!r}, rank {rank}"
 
 
 @pytest.mark.timeout(300)
