@@ -134,8 +134,11 @@ def test_env_prefix_and_args(start_method: str) -> None:
     assert result.returncode == 0, result.stderr
     records = rank_records(result.stdout)
     assert sorted(records) == [0, 1, 2]
-    ports = {record["env"]["MASTER_PORT"] for record in records.values()}
+    ports = {record["env"]["MESHCOMM_MASTER_PORT"] for record in records.values()}
     assert len(ports) == 1 and int(ports.pop()) > 0  # one store, on the kernel's port
+    torch_ports = {record["env"]["MASTER_PORT"] for record in records.values()}
+    # MASTER_PORT is another port, kept for torch's rank 0 (tests/test_meshrun_torch.py).
+    assert len(torch_ports) == 1 and torch_ports != {records[0]["env"]["MESHCOMM_MASTER_PORT"]}
     for rank, record in records.items():
         expected = {
             "RANK": str(rank),
@@ -145,6 +148,7 @@ def test_env_prefix_and_args(start_method: str) -> None:
             "GROUP_RANK": "0",
             "GROUP_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1",
+            "MESHCOMM_MASTER_ADDR": "127.0.0.1",
             "MESHCOMM_STORE_HOSTED": "1",
             "PYTHONUNBUFFERED": "1",
         }
