@@ -8,6 +8,7 @@ nothing here imports meshcomm. The backend string is the only choice::
     torchrun --nproc-per-node 2 examples/torch_fsdp2.py            # backend "meshcomm"
     torchrun --nproc-per-node 2 examples/torch_fsdp2.py gloo       # torch's own
     DIST_BACKEND=gloo torchrun --nproc-per-node 2 examples/torch_fsdp2.py
+    meshrun --nproc-per-node 2 examples/torch_fsdp2.py             # meshcomm's launcher, too
 
 Both print the same losses and train the same weights, bit for bit. With meshcomm
 installed, torch's backend autoload registers "meshcomm" when torch is imported (an

@@ -1,12 +1,13 @@
 """Tensor parallelism with torch's own stack, on backend "meshcomm" (or any other).
 
-torch's tensor-parallel example (a two-layer model, its first linear split by columns and
-its second by rows, ``parallelize_module`` over a 1-D ``DeviceMesh``), written against
+In the shape of torch's tensor-parallel example (a two-layer model, its first linear split by
+columns and its second by rows, ``parallelize_module`` over a 1-D ``DeviceMesh``), written against
 plain torch: nothing here imports meshcomm. The backend string is the only choice::
 
     torchrun --nproc-per-node 2 examples/torch_tp.py            # backend "meshcomm"
     torchrun --nproc-per-node 2 examples/torch_tp.py gloo       # torch's own
     DIST_BACKEND=gloo torchrun --nproc-per-node 2 examples/torch_tp.py
+    meshrun --nproc-per-node 2 examples/torch_tp.py             # meshcomm's launcher, too
 
 Both print the same losses and train the same weights, bit for bit. With meshcomm
 installed, torch's backend autoload registers "meshcomm" when torch is imported (an
@@ -59,14 +60,15 @@ def main() -> None:
     model = parallelize_module(
         ToyModel(), mesh, {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.25, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=True)
 
     losses = []
     for step in range(STEPS):
         # Tensor parallelism: every rank of the tp group sees the same input.
         torch.manual_seed(step)
         inp = torch.rand(20, 10)
-        loss = model(inp).sum()
+        target = inp[:, :5] - inp[:, 5:]  # something to learn
+        loss = nn.functional.mse_loss(model(inp), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
