@@ -30,7 +30,10 @@ def _torch_stack_on_cuda(group: Any) -> list[str]:
 
     import meshcomm.c10d  # noqa: F401 - registers the backend
 
-    dist.init_process_group("meshcomm", store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        "meshcomm", store=dist.HashStore(), rank=0, world_size=1, device_id=device
+    )
     problems: list[str] = []
     pg = dist.distributed_c10d._get_default_group()
     if pg.mesh_group is not group:

@@ -164,6 +164,15 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         """torch's description of the group."""
         return self._group_desc
 
+    def _get_backend(self, device: Any = None) -> MeshcommProcessGroup:
+        """torch asks a group for its backend per device; this group is its own, for both."""
+        return self
+
+    @property
+    def supports_splitting(self) -> bool:
+        """False: torch's ``split_group`` is for NCCL's communicator split (use ``new_group``)."""
+        return False
+
     def _get_sequence_number_for_group(self) -> int:
         """How many collectives this group has issued (torch's debugging aid)."""
         return self._sequence
