@@ -12,6 +12,10 @@ here compare backend "meshcomm" with backend "gloo":
 - FSDP2 ``fully_shard`` Adam steps; at world 4 also HSDP (a 2-D mesh) and FSDP + TP; in
   float32 too, where FSDP2 reduces gradients with AVG, or PREMUL_SUM (which gloo refuses;
   checked against gloo's AVG with the learning rate scaled, to float32 rounding);
+- more of it: Partial("avg"), a flattened 2-D mesh, TP over the whole world,
+  ``loss_parallel``, FSDP2 without resharding after forward, with mixed precision and with
+  gradient accumulation (``set_requires_gradient_sync``);
+- torch.distributed.pipelining, GPipe and 1F1B with one stage per rank;
 - torch.distributed.checkpoint: an FSDP2 state dict and a DTensor saved and loaded back,
   and the checkpoint gloo saved loaded on meshcomm.
 
@@ -44,9 +48,18 @@ from tests.test_torchrun import ROOT, _clean_env, _free_port, _run  # noqa: E402
 SCRIPT = ROOT / "tests" / "scripts" / "c10d_parallel_run.py"
 EXAMPLES = ROOT / "examples"
 TOL = 1e-12
-# Keys whose values sum over more than two ranks at world 4 (FSDP2 over the flat mesh):
+# Keys whose values sum over more than two ranks at world 4 (FSDP2, TP and Partial over the
+# flat mesh):
 # equal to gloo's within TOL, not bit for bit.
-SUMMED_OVER_4 = ("fsdp ", "dcp saved ", "dcp loaded ")
+SUMMED_OVER_4 = (
+    "fsdp ",
+    "dcp saved ",
+    "dcp loaded ",
+    "more partial avg",
+    "more tpworld ",
+    "more loss_parallel ",
+    "more fsdp ",
+)
 # The same for the float32 FSDP2 runs: float32 rounding.
 F32_TOL = 1e-6
 
@@ -146,9 +159,8 @@ WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
 @pytest.mark.parametrize("world", WORLDS)
 def test_device_mesh_and_dtensor_redistribute(jobs: Jobs, world: int) -> None:
     """distribute_tensor, full_tensor and every redistribution, Partial included."""
-    count = _compare(
-        jobs, world, lambda k: not k.startswith(("mlp", "seq", "fsdp", "hsdp", "dcp")), ["dtensor"]
-    )
+    kinds = ("local ", "full ", "redistribute ", "partial ", "tp sub-mesh ")
+    count = _compare(jobs, world, lambda k: k.startswith(kinds), ["dtensor"])
     assert count >= world * 25
 
 
@@ -201,6 +213,26 @@ def test_fsdp2_float32_avg_and_premul_sum(jobs: Jobs, world: int) -> None:
         for key, value in premul.items():
             expected = gloo[rank]["values"][key.replace("premul", "sgd-avg")]
             torch.testing.assert_close(value, expected, rtol=F32_TOL, atol=F32_TOL, msg=key)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_more_of_the_stack(jobs: Jobs, world: int) -> None:
+    """Partial("avg"), a flattened mesh, TP over the world, loss_parallel, FSDP2's options."""
+    _compare(jobs, world, lambda k: k.startswith("more "), ["more"])
+    values = jobs.records("meshcomm", world)[0]["values"]
+    assert any(k.startswith("more loss_parallel grad ") for k in values)
+    assert any(k.startswith("more fsdp grad ") for k in values)
+    assert world == 2 or "more flattened S0 -> S1" in values
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_pipeline_schedules(jobs: Jobs, world: int) -> None:
+    """torch.distributed.pipelining, GPipe and 1F1B: every stage's gradients, the losses."""
+    _compare(jobs, world, lambda k: k.startswith("pp "), ["pipeline"])
+    last = jobs.records("meshcomm", world)[world - 1]["values"]
+    assert {"pp gpipe losses", "pp 1f1b losses"} <= set(last)
 
 
 @pytest.mark.slow

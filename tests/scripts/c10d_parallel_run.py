@@ -20,14 +20,15 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -40,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -292,6 +294,82 @@ def scenario_fsdp_tp(mesh: DeviceMesh) -> Record:
     return out
 
 
+def scenario_more(mesh: DeviceMesh, flat: DeviceMesh) -> Record:
+    """More of the stack: Partial("avg"), a flattened mesh, loss_parallel, TP over the world,
+    and FSDP2's options (no reshard after forward, mixed precision, gradient accumulation)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    out: Record = {}
+    local = torch.randn(4, 6, dtype=DTYPE, generator=gen) * (rank + 1)
+    avg = DTensor.from_local(local, flat, [Partial("avg")])
+    out["more partial avg"] = _full(avg)
+    out["more partial avg -> S1"] = avg.redistribute(flat, [Shard(1)]).to_local().clone()
+
+    x = torch.randn(world * 2, 5, dtype=DTYPE, generator=gen)
+    if mesh.ndim == 2:
+        flattened = mesh["dp", "tp"]._flatten()
+        d = distribute_tensor(x, flattened, [Shard(0)])
+        out["more flattened local"] = d.to_local().clone()
+        out["more flattened S0 -> S1"] = d.redistribute(flattened, [Shard(1)]).to_local().clone()
+
+    # Tensor parallelism over every rank, and a vocabulary-parallel cross entropy.
+    torch.manual_seed(0)
+    model = MLP(8, 4 * world)
+    parallelize_module(model, flat, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    inp = torch.randn(3, 8, dtype=DTYPE, generator=gen)
+    model(inp).pow(2).sum().backward()
+    out |= {f"more tpworld {k}": v for k, v in _grads(model).items()}
+    torch.manual_seed(0)
+    head = nn.Linear(8, 2 * world, dtype=DTYPE)
+    parallelize_module(head, flat, ColwiseParallel(use_local_output=False))
+    labels = torch.randint(0, 2 * world, (3,), generator=gen)
+    with loss_parallel():
+        loss = nn.functional.cross_entropy(head(inp), labels)
+        loss.backward()
+    out["more loss_parallel loss"] = _full(loss)
+    out |= {f"more loss_parallel {k}": v for k, v in _grads(head).items()}
+
+    # FSDP2 options.
+    torch.manual_seed(0)
+    net = Net()
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=DTYPE)
+    for layer in net.layers:
+        fully_shard(layer, mesh=flat, mp_policy=mp)
+    fully_shard(net, mesh=flat, reshard_after_forward=False, mp_policy=mp)
+    batches = torch.randn(2, 6, 12, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
+    sharded = cast(FSDPModule, net)  # fully_shard made the model an FSDPModule too
+    sharded.set_requires_gradient_sync(False)  # accumulate the first microbatch locally
+    net(batches[0]).pow(2).mean().backward()
+    sharded.set_requires_gradient_sync(True)
+    net(batches[1]).pow(2).mean().backward()
+    out |= {f"more fsdp {k}": v for k, v in _grads(net).items()}
+    return out
+
+
+def scenario_pipeline() -> Record:
+    """torch.distributed.pipelining: one stage per rank, GPipe and 1F1B, four microbatches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: Record = {}
+    for name, schedule in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        torch.manual_seed(0)
+        layers = nn.Sequential(*[nn.Linear(8, 8, dtype=DTYPE) for _ in range(world)])
+        stage = PipelineStage(layers[rank], rank, world, torch.device("cpu"))
+        run = schedule(stage, n_microbatches=4, loss_fn=lambda y, t: (y - t).pow(2).mean())
+        x = torch.randn(8, 8, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+        target = torch.randn(8, 8, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            run.step(x)
+        elif rank == world - 1:
+            run.step(target=target, losses=losses)
+        else:
+            run.step()
+        out |= {f"pp {name} {k}": v for k, v in _grads(layers[rank]).items()}
+        if losses:
+            out[f"pp {name} losses"] = torch.stack([loss.detach() for loss in losses])
+    return out
+
+
 def scenario_dcp(mesh: DeviceMesh, out_dir: Path, other: Path | None) -> Record:
     """DCP save and load of an FSDP2 state dict; also load another backend's checkpoint."""
     model = _fsdp_model(mesh)
@@ -362,6 +440,8 @@ def main(backend: str, out_dir: Path, other: Path | None) -> None:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _run(record, "hsdp", lambda: scenario_fsdp(hsdp, "hsdp"))
         _run(record, "fsdp+tp", lambda: scenario_fsdp_tp(mesh))
+    _run(record, "more", lambda: scenario_more(mesh, flat))
+    _run(record, "pipeline", scenario_pipeline)
     _run(record, "dcp", lambda: scenario_dcp(flat, out_dir, other))
     torch.save(record, out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
