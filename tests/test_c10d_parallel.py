@@ -5,7 +5,8 @@ scenario in one launch per backend and world size and saves each rank's values; 
 here compare backend "meshcomm" with backend "gloo":
 
 - torch's ``DeviceMesh`` (1-D at world 2, ``(2, 2)`` ``("dp", "tp")`` at world 4) and DTensor
-  ``distribute_tensor`` / ``redistribute`` across Shard(0), Shard(1), Replicate and Partial;
+  ``distribute_tensor`` / ``redistribute`` across Shard(0), Shard(1), Replicate and Partial,
+  even and uneven shards;
 - ``parallelize_module`` with ColwiseParallel, RowwiseParallel and SequenceParallel on small
   MLPs (forward, backward, one SGD step), with the default ``src_data_rank`` (torch's
   ``mesh_scatter``) and with ``src_data_rank=None``;
@@ -17,7 +18,7 @@ here compare backend "meshcomm" with backend "gloo":
   gradient accumulation (``set_requires_gradient_sync``);
 - torch.distributed.pipelining, GPipe and 1F1B with one stage per rank;
 - torch.distributed.checkpoint: an FSDP2 state dict and a DTensor saved and loaded back,
-  and the checkpoint gloo saved loaded on meshcomm.
+  and the checkpoint gloo saved loaded on meshcomm (also gloo's world-4 one at world 2).
 
 Values are float64. They must be bit-equal to gloo's except where a sum runs over more than
 two ranks (FSDP2's reduce-scatter of gradients at world 4: gloo and meshcomm add in different
@@ -159,7 +160,7 @@ WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
 @pytest.mark.parametrize("world", WORLDS)
 def test_device_mesh_and_dtensor_redistribute(jobs: Jobs, world: int) -> None:
     """distribute_tensor, full_tensor and every redistribution, Partial included."""
-    kinds = ("local ", "full ", "redistribute ", "partial ", "tp sub-mesh ")
+    kinds = ("local ", "full ", "redistribute ", "partial ", "tp sub-mesh ", "uneven ")
     count = _compare(jobs, world, lambda k: k.startswith(kinds), ["dtensor"])
     assert count >= world * 25
 
@@ -259,6 +260,27 @@ def test_distributed_checkpoint_round_trip(jobs: Jobs, world: int) -> None:
             # gloo's checkpoint, loaded over meshcomm: gloo's saved values, bit for bit.
             expected = gloo[rank]["values"][f"dcp saved {name}"]
             assert torch.equal(values[f"dcp other {name}"], expected), f"{name} from gloo's"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dcp_reshards_gloo_world_4_checkpoint_onto_world_2(jobs: Jobs) -> None:
+    """DCP on meshcomm at world 2 loads what gloo saved at world 4 (resharded on load)."""
+    import torch
+
+    saved = jobs.records("gloo", 4)[0]["values"]
+    out_dir = jobs.root / "meshcomm-2-from-4"
+    out_dir.mkdir()
+    env = {"C10D_PARALLEL_ONLY": "dcp"}
+    _torchrun(2, SCRIPT, "meshcomm", str(out_dir), str(jobs.root / "gloo-4" / "ckpt"), env=env)
+    for rank in range(2):
+        got = torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
+        assert not got["errors"], got["errors"]
+        loaded = {k: v for k, v in got["values"].items() if k.startswith("dcp other ")}
+        assert loaded
+        for key, value in loaded.items():
+            expected = saved[key.replace("dcp other ", "dcp saved ")]
+            assert torch.equal(value, expected), f"{key!r} on rank {rank}"
 
 
 @pytest.mark.timeout(300)

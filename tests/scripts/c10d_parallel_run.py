@@ -12,10 +12,12 @@ the DCP scenario also saves a checkpoint under ``OUT_DIR/ckpt`` and, given
 ``OTHER_CKPT_DIR`` (another backend's ``ckpt``), loads that one too.
 
 The test compares the records of backend "meshcomm" with those of "gloo".
+``C10D_PARALLEL_ONLY=dcp,tp`` runs only the scenarios named.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -104,6 +106,15 @@ def scenario_dtensor(mesh: DeviceMesh) -> Record:
         d = distribute_tensor(x, tp, [Shard(0)])
         out["tp sub-mesh full"] = _full(d)
         out["tp sub-mesh S0 -> S1"] = d.redistribute(tp, [Shard(1)]).to_local().clone()
+    # Uneven shards (7 rows, 5 columns over 2 ranks per dim): torch pads and unpads.
+    odd = torch.randn(7, 5, dtype=DTYPE, generator=gen)
+    for src in placements[:3]:
+        d = distribute_tensor(odd, mesh, list(src))
+        key = "/".join(map(str, src))
+        out[f"uneven local {key}"] = d.to_local().clone()
+        for dst in placements:
+            moved = d.redistribute(mesh, list(dst))
+            out[f"uneven {key} -> {'/'.join(map(str, dst))}"] = moved.to_local().clone()
     return out
 
 
@@ -407,6 +418,9 @@ def scenario_dcp(mesh: DeviceMesh, out_dir: Path, other: Path | None) -> Record:
 
 
 def _run(record: Record, name: str, fn: Callable[[], Record]) -> None:
+    only = os.environ.get("C10D_PARALLEL_ONLY")
+    if only and name not in only.split(","):
+        return
     try:
         record["values"] |= fn()
     except Exception:
