@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,5 +56,27 @@ def test_dtensor_and_meshcomm_ops_share_one_mesh(mode: str, tmp_path: Path) -> N
         assert rec["same_tp_group"], f"rank {rank}: torch's tp group is not the mesh's"
         assert rec["full_ok"], f"rank {rank}: Shard/Shard -> Replicate lost values"
         assert rec["partial"] == [[2.0, 2.0], [2.0, 2.0]]
+        assert rec["psum_tp"] == [float(sum(rec["tp_row"]))]
+        assert rec["gathered"] == rec["expected_rows"]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_an_mpi_world_hands_torch_its_mesh(tmp_path: Path) -> None:
+    """Under mpiexec (no store): meshcomm's MPI world under torch's default group."""
+    from tests.test_mpi import SKIP, find_mpiexec
+
+    if SKIP:
+        pytest.skip(SKIP)
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    env = _clean_env({"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    command = [mpiexec, "-n", "4", sys.executable, str(SCRIPT), "meshcomm-first", str(tmp_path)]
+    code, out = _run(command, env)
+    assert code == 0, out[-4000:]
+    records = _records(tmp_path)
+    assert sorted(records) == [0, 1, 2, 3], out[-4000:]
+    for rec in records.values():
+        assert rec["same_world"] and rec["same_tp_group"] and rec["full_ok"]
         assert rec["psum_tp"] == [float(sum(rec["tp_row"]))]
         assert rec["gathered"] == rec["expected_rows"]

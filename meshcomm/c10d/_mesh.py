@@ -84,8 +84,10 @@ def torch_group(group: MeshGroup) -> MeshcommProcessGroup:
 def to_torch_mesh(mesh: DeviceMesh, device_type: str | None = None) -> Any:
     """Return a torch ``DeviceMesh`` over the same ranks, names and groups as ``mesh``.
 
-    Initializes torch's default group on ``"meshcomm"`` (``env://``, adopting meshcomm's
-    world) if nothing did yet.
+    Initializes torch's default group on ``"meshcomm"`` (adopting meshcomm's world) if
+    nothing did yet: over the launcher's store (``env://``), or, where there is none (an
+    MPI world under ``mpiexec``), a store of this process alone that only torch's
+    bookkeeping sees.
 
     Args:
         mesh: the meshcomm mesh; this rank must be in it.
@@ -96,10 +98,7 @@ def to_torch_mesh(mesh: DeviceMesh, device_type: str | None = None) -> Any:
         ValueError: torch's default group runs on another world (see :func:`torch_group`).
     """
     if not dist.is_initialized():
-        from meshcomm.world import get_world
-
-        world = get_world()
-        dist.init_process_group(BACKEND_NAME, rank=world.rank, world_size=world.size)
+        _init_torch_over_world()
     if device_type is None:
         on_gpu = mesh.get_group(0).device_backend is not None
         device_type = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
@@ -111,6 +110,27 @@ def to_torch_mesh(mesh: DeviceMesh, device_type: str | None = None) -> Any:
     if mesh.ndim == 1:
         return TorchMesh.from_group(groups[0], device_type, grid, mesh_dim_names=names)
     return TorchMesh.from_group(groups, device_type, grid, mesh_dim_names=names)
+
+
+def _init_torch_over_world() -> None:
+    """torch's default group on ``"meshcomm"``, adopting meshcomm's world.
+
+    torch wants a store for its default group even though the adopted world needs none:
+    the launcher's (``env://``) where there is one; under ``mpiexec`` (an MPI world has no
+    store) a store of this process alone, which torch keeps for its bookkeeping only (groups
+    on ``"meshcomm"`` never use it).
+    """
+    import os
+
+    from meshcomm.world import get_world
+
+    world = get_world()
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        dist.init_process_group(BACKEND_NAME, rank=world.rank, world_size=world.size)
+    else:
+        dist.init_process_group(
+            BACKEND_NAME, store=dist.HashStore(), rank=world.rank, world_size=world.size
+        )
 
 
 def from_torch_mesh(torch_mesh: Any) -> DeviceMesh:
