@@ -169,6 +169,21 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         return self
 
     @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group takes: the CPU, and CUDA where torch sees a GPU.
+
+        torch's own groups list the devices of their registered backends; this group is its
+        own backend for every device (:meth:`_get_backend`), so it answers for itself.
+        torch's helpers ask: ``_get_pg_default_device`` (``set_model_state_dict`` with
+        ``broadcast_from_rank0``, DCP's meta-device init), ``_broadcast_tensors`` and
+        ``dcp.async_save`` (which wants the CPU among them).
+        """
+        devices = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devices.append(torch.device("cuda"))
+        return devices
+
+    @property
     def supports_splitting(self) -> bool:
         """False: torch's ``split_group`` is for NCCL's communicator split (use ``new_group``)."""
         return False
