@@ -44,7 +44,10 @@ from meshcomm.distributed._backend import (
     is_ucc_available,
     is_xccl_available,
 )
+from meshcomm.distributed._coalescing import _coalescing_manager
 from meshcomm.distributed._collectives import (
+    _all_gather_base,
+    _reduce_scatter_base,
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
@@ -154,7 +157,10 @@ __all__ = [
     "Store",
     "TCPStore",
     "Work",
+    "_all_gather_base",
+    "_coalescing_manager",
     "_make_nccl_premul_sum",
+    "_reduce_scatter_base",
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from meshcomm.distributed._coalescing import Queued, queue
 from meshcomm.distributed._common import (
     Route,
     counts_equal,
@@ -55,6 +56,8 @@ from meshcomm.distributed._tensors import (
 from meshcomm.distributed._work import Work
 
 __all__ = [
+    "_all_gather_base",
+    "_reduce_scatter_base",
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",
@@ -157,6 +160,8 @@ def all_reduce(
     pg = member(group, "all_reduce")
     if pg is None:
         return None
+    if pg in STATE.coalescing:
+        return queue(pg, Queued("all_reduce", buf, buf, tensor, op, mop, factor), async_op)
     g = pg.mesh_group
     mine = buf.in_place
     on_device = buf.device_view(g)
@@ -422,6 +427,8 @@ def all_gather_single(
             f"output_tensor must have group size ({pg.size()}) x {inp.numel} = "
             f"{pg.size() * inp.numel} elements, got {out.numel}"
         )
+    if pg in STATE.coalescing:
+        return queue(pg, Queued("all_gather_single", inp, out, output_tensor), async_op)
     g = pg.mesh_group
     route = Route(g, [inp])
 
@@ -441,7 +448,33 @@ def all_gather_into_tensor(
         "`meshcomm.distributed.all_gather_into_tensor` is deprecated (as in torch). Please use "
         "`meshcomm.distributed.all_gather_single` instead.",
         FutureWarning,
-        stacklevel=2,
+        stacklevel=3,  # past the @public wrapper, to the caller
+    )
+    return all_gather_single(output_tensor, input_tensor, group, async_op)
+
+
+@public
+def _all_gather_base(
+    output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Torch's private, deprecated name of :func:`all_gather_single` (warns as torch).
+
+    Example:
+        >>> import numpy as np
+        >>> import meshcomm.distributed as dist
+        >>> dist.init_process_group("gloo", world_size=1, rank=0)
+        >>> out = np.zeros(2)
+        >>> with warnings.catch_warnings(record=True):
+        ...     dist._all_gather_base(out, np.array([1.0, 2.0]))
+        >>> out
+        array([1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    warnings.warn(
+        "`meshcomm.distributed._all_gather_base` is a private function and will be deprecated "
+        "(as in torch). Please use `meshcomm.distributed.all_gather_single` instead.",
+        FutureWarning,
+        stacklevel=3,  # past the @public wrapper, to the caller
     )
     return all_gather_single(output_tensor, input_tensor, group, async_op)
 
@@ -506,6 +539,9 @@ def reduce_scatter_single(
             f"input must have group size ({size}) x {out.numel} = {size * out.numel} elements, "
             f"got {inp.numel}"
         )
+    if pg in STATE.coalescing:
+        call = Queued("reduce_scatter_single", inp, out, output, op, mop, factor)
+        return queue(pg, call, async_op)
     g = pg.mesh_group
     route = Route(g, [inp])
 
@@ -526,7 +562,34 @@ def reduce_scatter_tensor(
         "`meshcomm.distributed.reduce_scatter_tensor` is deprecated (as in torch). Please use "
         "`meshcomm.distributed.reduce_scatter_single` instead.",
         FutureWarning,
-        stacklevel=2,
+        stacklevel=3,  # past the @public wrapper, to the caller
+    )
+    return reduce_scatter_single(output, input, op, group, async_op)
+
+
+@public
+def _reduce_scatter_base(
+    output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Torch's private, deprecated name of :func:`reduce_scatter_single` (warns as torch).
+
+    Example:
+        >>> import numpy as np
+        >>> import meshcomm.distributed as dist
+        >>> dist.init_process_group("gloo", world_size=1, rank=0)
+        >>> out = np.zeros(2)
+        >>> with warnings.catch_warnings(record=True):
+        ...     dist._reduce_scatter_base(out, np.array([1.0, 2.0]))
+        >>> out
+        array([1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    warnings.warn(
+        "`meshcomm.distributed._reduce_scatter_base` is a private function and will be "
+        "deprecated (as in torch). Please use `meshcomm.distributed.reduce_scatter_single` "
+        "instead.",
+        FutureWarning,
+        stacklevel=3,  # past the @public wrapper, to the caller
     )
     return reduce_scatter_single(output, input, op, group, async_op)
 
@@ -540,7 +603,7 @@ def all_reduce_coalesced(
     warnings.warn(
         "`meshcomm.distributed.all_reduce_coalesced` will be deprecated (as in torch)",
         FutureWarning,
-        stacklevel=2,
+        stacklevel=3,  # past the @public wrapper, to the caller
     )
     bufs = as_buffer_list(tensors, "tensors")
     same_dtype(bufs)
@@ -580,7 +643,7 @@ def all_gather_coalesced(
     warnings.warn(
         "`meshcomm.distributed.all_gather_coalesced` will be deprecated (as in torch)",
         FutureWarning,
-        stacklevel=2,
+        stacklevel=3,  # past the @public wrapper, to the caller
     )
     if not isinstance(output_tensor_lists, list):
         raise TypeError("output_tensor_lists must be a list of lists of tensors")

@@ -72,6 +72,7 @@ class DistState:
         made_here: the groups this module made (``destroy_process_group()`` closes those;
             groups of meshcomm meshes are only wrapped, and left to their mesh).
         pending: deferred ``irecv`` works, issued in order before the next operation.
+        coalescing: the calls queued in each group's open ``_coalescing_manager`` block.
     """
 
     def __init__(self) -> None:
@@ -82,6 +83,7 @@ class DistState:
         self.made_here: set[int] = set()
         self.group_count = 0
         self.pending: list[Work] = []
+        self.coalescing: dict[ProcessGroup, list[Any]] = {}
         self._wrappers: weakref.WeakKeyDictionary[MeshGroup, ProcessGroup] = (
             weakref.WeakKeyDictionary()
         )
@@ -249,7 +251,7 @@ def init_process_group(
     else:
         name = world.choose_backend(None, init_method, store)
     if pg_options is not None:
-        warnings.warn("pg_options are ignored: meshcomm backends take no options", stacklevel=2)
+        warnings.warn("pg_options are ignored: meshcomm backends take no options", stacklevel=3)
     seconds = _delta(timeout)
     if store is not None and not isinstance(store, MeshStore):
         from meshcomm.store.torch_adapter import TorchStore
