@@ -17,6 +17,8 @@ here compare backend "meshcomm" with backend "gloo":
   ``loss_parallel``, FSDP2 without resharding after forward, with mixed precision and with
   gradient accumulation (``set_requires_gradient_sync``);
 - torch.distributed.pipelining, GPipe and 1F1B with one stage per rank;
+- torch's state-dict helpers: a full state dict on rank 0 loaded into a meta-device FSDP2
+  model (``broadcast_from_rank0``), full model and optimizer state dicts, ``dcp.async_save``;
 - torch.distributed.checkpoint: an FSDP2 state dict and a DTensor saved and loaded back,
   and the checkpoint gloo saved loaded on meshcomm (also gloo's world-4 one at world 2).
 
@@ -60,6 +62,9 @@ SUMMED_OVER_4 = (
     "more tpworld ",
     "more loss_parallel ",
     "more fsdp ",
+    "sd full ",
+    "sd optim ",
+    "sd async param ",
 )
 # The same for the float32 FSDP2 runs: float32 rounding.
 F32_TOL = 1e-6
@@ -260,6 +265,16 @@ def test_distributed_checkpoint_round_trip(jobs: Jobs, world: int) -> None:
             # gloo's checkpoint, loaded over meshcomm: gloo's saved values, bit for bit.
             expected = gloo[rank]["values"][f"dcp saved {name}"]
             assert torch.equal(values[f"dcp other {name}"], expected), f"{name} from gloo's"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_state_dict_helpers_and_async_save(jobs: Jobs, world: int) -> None:
+    """broadcast_from_rank0 onto a meta-device model, full state dicts, dcp.async_save."""
+    _compare(jobs, world, lambda k: k.startswith("sd "), ["sd"])
+    values = jobs.records("meshcomm", world)[0]["values"]
+    assert any(k.startswith("sd optim ") for k in values)
+    assert values["sd async meanwhile"].tolist() == [world * (world - 1) / 2] * 3
 
 
 @pytest.mark.slow

@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -381,6 +387,55 @@ def scenario_pipeline() -> Record:
     return out
 
 
+def scenario_state_dict(mesh: DeviceMesh, out_dir: Path) -> Record:
+    """torch's state-dict helpers over FSDP2, and DCP's async_save.
+
+    A full state dict on rank 0 only, loaded into a meta-device model with
+    ``broadcast_from_rank0``; full model and optimizer state dicts gathered to rank 0;
+    ``dcp.async_save`` (its collectives on a background thread, over a group of their own,
+    while this thread runs an all-reduce on the world), loaded back.
+    """
+    rank = dist.get_rank()
+    out: Record = {}
+    torch.manual_seed(0)
+    full = Net().state_dict() if rank == 0 else {}
+    with torch.device("meta"):
+        model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    out |= {f"sd broadcast {k}": v for k, v in _params(model).items()}
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, 2, 700 + rank, opt=opt)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd: dict[str, Any] = get_model_state_dict(model, options=options)
+    optim_sd: dict[str, Any] = get_optimizer_state_dict(model, opt, options=options)
+    out |= {f"sd full {k}": v.clone() for k, v in model_sd.items()}
+    for name, moments in optim_sd.get("state", {}).items():
+        out |= {f"sd optim {name} {k}": _full(v) for k, v in moments.items()}
+
+    ckpt = out_dir / "ckpt_async"
+    # The saving thread's collectives go over a group of their own, as torch advises: two
+    # threads issuing collectives on one group would interleave differently per rank.
+    saving = dist.new_group(backend=dist.get_backend())
+    pending: Any = dcp.async_save(
+        {"model": model.state_dict()}, checkpoint_id=str(ckpt), process_group=saving
+    )
+    meanwhile = torch.full((3,), float(rank), dtype=DTYPE)
+    dist.all_reduce(meanwhile)
+    pending.result()
+    out["sd async meanwhile"] = meanwhile
+    fresh = _fsdp_model(mesh)
+    state: dict[str, Any] = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt))
+    fresh.load_state_dict(state["model"])
+    out |= {f"sd async {k}": v for k, v in _params(fresh).items()}
+    return out
+
+
 def scenario_dcp(mesh: DeviceMesh, out_dir: Path, other: Path | None) -> Record:
     """DCP save and load of an FSDP2 state dict; also load another backend's checkpoint."""
     model = _fsdp_model(mesh)
@@ -457,6 +512,7 @@ def main(backend: str, out_dir: Path, other: Path | None) -> None:
     _run(record, "more", lambda: scenario_more(mesh, flat))
     _run(record, "pipeline", scenario_pipeline)
     _run(record, "dcp", lambda: scenario_dcp(flat, out_dir, other))
+    _run(record, "sd", lambda: scenario_state_dict(flat, out_dir))
     torch.save(record, out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
 
