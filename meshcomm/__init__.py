@@ -43,7 +43,7 @@ from meshcomm.errors import (
 # Eager on purpose: ``spawn`` and ``info`` share their names with their modules, and a lazy
 # binding would be replaced by the module the first time anything imports that module.
 from meshcomm.info import info
-from meshcomm.spawn import SpawnContext, spawn
+from meshcomm.spawn import SpawnContext  # binds meshcomm.spawn: the module, callable as spawn()
 
 if TYPE_CHECKING:
     from meshcomm import c10d, distributed, ops

@@ -10,10 +10,15 @@ from a signal), the others get SIGTERM, then SIGKILL after a grace period, and t
 raises :class:`ProcessRaisedException` (with the child's traceback text) or
 :class:`ProcessExitedException`. The processes die with the parent if it is killed (Linux).
 
+The module is callable as :func:`spawn` itself, so both spellings of torch's work:
+``import meshcomm.spawn as mp; mp.spawn(fn, nprocs=2)`` (as ``torch.multiprocessing``, with
+``mp.start_processes`` and ``mp.ProcessContext``) and ``meshcomm.spawn(fn, nprocs=2)``.
+
 Example:
     >>> import operator
-    >>> from meshcomm.spawn import spawn
-    >>> spawn(operator.add, args=(0,), nprocs=2, timeout=120)  # operator.add(rank, 0) per rank
+    >>> import meshcomm.spawn as mp
+    >>> mp.spawn(operator.add, args=(0,), nprocs=2, timeout=120)  # operator.add(rank, 0) per rank
+    >>> mp(operator.add, args=(0,), nprocs=2, timeout=120)  # the module called: the same
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import signal
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -54,12 +60,14 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "ProcessContext",
     "ProcessExitedException",
     "ProcessRaisedException",
     "SpawnContext",
     "SpawnError",
     "SpawnTimeout",
     "spawn",
+    "start_processes",
 ]
 
 
@@ -344,6 +352,11 @@ def spawn(
                 master_addr="127.0.0.1",
                 master_port=server.port,
             )
+            # meshcomm finds the store through its own variables, which win over
+            # MASTER_ADDR/MASTER_PORT: torch's tutorials have fn set those itself (to an
+            # address nobody serves here) before init_process_group.
+            env["MESHCOMM_MASTER_ADDR"] = "127.0.0.1"
+            env["MESHCOMM_MASTER_PORT"] = str(server.port)
             env[SECRET_ENV] = secret
             reader, writer = mp.Pipe(duplex=False)
             proc = mp.Process(
@@ -370,3 +383,64 @@ def spawn(
             running,
         )
     return None
+
+
+#: torch.multiprocessing's name of the handle ``join=False`` returns.
+ProcessContext = SpawnContext
+
+
+def start_processes(
+    fn: Callable[..., object],
+    args: tuple[object, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> SpawnContext | None:
+    """``torch.multiprocessing.start_processes``: :func:`spawn` with torch's extra parameters.
+
+    Args:
+        fn: as :func:`spawn`.
+        args: as :func:`spawn`.
+        nprocs: as :func:`spawn`.
+        join: as :func:`spawn`.
+        daemon: accepted for torch's signature; the processes die with this one either way.
+        start_method: only ``"spawn"`` (meshcomm starts every rank in a fresh interpreter).
+
+    Returns:
+        As :func:`spawn`.
+
+    Raises:
+        InvalidArgument: a ``start_method`` other than ``"spawn"``; as :func:`spawn`.
+
+    Example:
+        >>> import operator
+        >>> start_processes(operator.add, args=(0,), nprocs=2, start_method="spawn")
+    """
+    if start_method != "spawn":
+        raise InvalidArgument(
+            f"meshcomm.spawn.start_processes: start_method={start_method!r} is not supported; "
+            "meshcomm starts every rank with 'spawn' (a fresh interpreter)"
+        )
+    return spawn(fn, args, nprocs, join)
+
+
+class _CallableModule(types.ModuleType):
+    """This module's class: calling the module calls :func:`spawn`.
+
+    ``meshcomm.spawn`` names both this module and its function; whichever one a script
+    reaches (``import meshcomm.spawn as mp`` or ``meshcomm.spawn(...)``), it works.
+    """
+
+    def __call__(
+        self,
+        fn: Callable[..., object],
+        args: tuple[object, ...] = (),
+        nprocs: int = 1,
+        join: bool = True,
+        timeout: Timeout | None = None,
+    ) -> SpawnContext | None:
+        return spawn(fn, args, nprocs, join, timeout)
+
+
+sys.modules[__name__].__class__ = _CallableModule
