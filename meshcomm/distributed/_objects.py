@@ -97,6 +97,8 @@ def broadcast_object_list(
     if pg is None:
         warn_not_in_group("broadcast_object_list")
         return
+    if src is None and group_src is None:  # torch 2.13: global rank 0
+        src = 0
     root = canonical_rank(pg, src, group_src, "src")
     STATE.flush()
     g, n = pg.mesh_group, len(object_list)
@@ -160,6 +162,8 @@ def gather_object(
     if pg is None:
         warn_not_in_group("gather_object")
         return
+    if dst is None and group_dst is None:  # torch 2.13: global rank 0
+        dst = 0
     root = canonical_rank(pg, dst, group_dst, "dst")
     mine = root == pg.rank()
     if mine:
@@ -209,6 +213,8 @@ def scatter_object_list(
     if pg is None:
         warn_not_in_group("scatter_object_list")
         return
+    if src is None and group_src is None:  # torch 2.13: global rank 0
+        src = 0
     root = canonical_rank(pg, src, group_src, "src")
     size, mine = pg.size(), root == pg.rank()
     if mine:

@@ -260,6 +260,8 @@ def init_process_group(
     size = None if world_size in (-1, None) else world_size
     me = None if rank in (-1, None) else rank
     owns = not world.is_initialized()
+    if owns and store is None and init_method in (None, "env://"):
+        _check_launcher_world(size, me)
     if owns:
         mesh = world.init(name, init_method, size, me, seconds, store)
     else:
@@ -270,6 +272,30 @@ def init_process_group(
     pg = STATE.add(mesh, STATE.backend, "default_pg", seconds)
     pg.bound_device_id = device_id
     STATE.default = pg
+
+
+def _check_launcher_world(size: int | None, rank: int | None) -> None:
+    """Refuse, before any I/O, a ``world_size``/``rank`` that contradicts a launcher hosting
+    the store (meshrun, ``meshcomm.spawn``): it serves exactly ``WORLD_SIZE`` ranks, so the
+    rendezvous would wait out the whole timeout for ranks that never come."""
+    import os
+
+    from meshcomm.launch import detect_launch
+
+    info = detect_launch(os.environ)
+    if info.store_host != "launcher":
+        return
+    problems = []
+    if size is not None and size != info.world_size:
+        problems.append(f"world_size={size} but WORLD_SIZE={info.world_size}")
+    if rank is not None and rank != info.rank:
+        problems.append(f"rank={rank} but RANK={info.rank}")
+    if problems:
+        raise ValueError(
+            f"rank {info.rank}: init_process_group got " + " and ".join(problems) + " from the "
+            f"launcher that hosts this job's store for {info.world_size} "
+            "ranks (MESHCOMM_STORE_HOSTED=1); pass the launcher's values, or leave them out"
+        )
 
 
 def _adopt(backend: str, size: int | None, rank: int | None) -> MeshGroup:
