@@ -283,3 +283,191 @@ def test_private_aliases_warn_as_torch(one: None) -> None:
     with pytest.warns(FutureWarning) as rec:
         dist.all_reduce_coalesced([out])
     assert rec[0].filename == __file__
+
+
+# -- native meshcomm groups as group= ---------------------------------------------------------
+def native_groups(c: Checks, world: MeshGroup) -> None:
+    """Every function of meshcomm.distributed that takes a group, given meshcomm's own."""
+    import meshcomm
+
+    me, n = world.rank, world.size
+    mesh = meshcomm.init_device_mesh((n,), mesh_dim_names=("tp",))
+    tp = mesh.get_group("tp")
+    pair = world.new_group([0, 1])  # a meshcomm group; None on rank 2
+    for label, g in (("world", world), ("mesh tp", tp)):
+        c.true(f"{label} is native", isinstance(g, MeshGroup), type(g))
+        c.eq(f"get_rank({label})", np.array(dist.get_rank(g)), np.array(me))
+        c.eq(f"get_world_size({label})", np.array(dist.get_world_size(group=g)), np.array(n))
+        c.eq(f"ranks({label})", np.array(dist.get_process_group_ranks(g)), np.arange(n))
+        c.eq(f"group rank({label})", np.array(dist.get_group_rank(g, n - 1)), np.array(n - 1))
+        c.eq(f"global rank({label})", np.array(dist.get_global_rank(g, n - 1)), np.array(n - 1))
+        c.true(f"get_backend({label})", dist.get_backend(g) == "gloo", dist.get_backend(g))
+        x = np.full(2, float(me))
+        dist.all_reduce(x, group=g)
+        c.eq(f"all_reduce({label})", x, np.full(2, float(sum(range(n)))))
+        dist.barrier(group=g)
+        dist.monitored_barrier(group=g, timeout=timedelta(seconds=30))
+        objs: list[Any] = [None] * n
+        dist.all_gather_object(objs, me, group=g)
+        c.true(f"all_gather_object({label})", objs == list(range(n)), objs)
+        box: list[Any] = [me]
+        dist.broadcast_object_list(box, src=n - 1, group=g)
+        c.true(f"broadcast_object_list({label})", box == [n - 1], box)
+        got: list[Any] = [None]
+        dist.scatter_object_list(got, list(range(10, 10 + n)) if me == 0 else None, group=g)
+        c.true(f"scatter_object_list({label})", got == [10 + me], got)
+        gathered = [None] * n if me == 0 else None
+        dist.gather_object(me * 2, gathered, group=g)
+        c.true(f"gather_object({label})", me != 0 or gathered == [2 * r for r in range(n)])
+        with dist._coalescing_manager(g, async_ops=True) as cm:
+            y = np.ones(3)
+            dist.all_reduce(y, group=g)
+        cm.wait()
+        c.eq(f"coalesced({label})", y, np.full(3, float(n)))
+        cur, subs = dist.new_subgroups(1, group=g)
+        c.true(f"new_subgroups({label})", cur.size() == 1 and len(subs) == n, (cur, subs))
+        half = dist.split_group(g, [[0], list(range(1, n))])
+        c.true(
+            f"split_group({label})", half is not None and half.size() == (1 if me == 0 else n - 1)
+        )
+    if pair is not None:  # point to point on a native sub-group (ranks 0 and 1)
+        other = 1 - me
+        a, b = np.full(2, float(me)), np.zeros(2)
+        ops = [dist.P2POp(dist.isend, a, other, group=pair), dist.P2POp(dist.irecv, b, other, pair)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        c.eq("batch_isend_irecv(native pair)", b, np.full(2, float(other)))
+        if me == 0:
+            dist.send_object_list(["hi"], dst=1, group=pair)
+        else:
+            box = [None]
+            dist.recv_object_list(box, src=0, group=pair)
+            c.true("recv_object_list(native pair)", box == ["hi"], box)
+        out = np.zeros(2)
+        dist.all_to_all_single(out, np.array([10.0 * me, 10.0 * me + 1]), group=pair)
+        c.eq("all_to_all_single(native pair)", out, np.array([float(me), 10.0 + me]))
+    if HAVE_TORCH:
+        import torch
+
+        torch.manual_seed(me)
+        model = dist.DistributedDataParallel(torch.nn.Linear(3, 1), process_group=tp)
+        first = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        ref = first.clone()
+        dist.broadcast(ref, src=0, group=tp)
+        c.true("DDP(process_group=native) broadcast rank 0's", torch.equal(first, ref))
+        model(torch.full((2, 3), float(me))).sum().backward()
+        grad = model.module.bias.grad.clone()
+        c.eq("DDP(process_group=native) averaged", grad, torch.full((1,), 2.0))
+    sampler = dist.DistributedSampler(range(10), shuffle=False)
+    c.true("DistributedSampler defaults", (sampler.num_replicas, sampler.rank) == (n, me))
+    dist.barrier()
+
+
+def native_main(group: MeshGroup) -> list[str]:
+    dist.init_process_group("gloo")
+    c = Checks(dist.get_rank())
+    c.section("native groups", lambda: native_groups(c, group))
+    dist.destroy_process_group()
+    return c.failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_native_groups_everywhere(world: int) -> None:
+    check(run_ranks(native_main, world, timeout=TIMEOUT))
+
+
+# -- meshcomm.spawn the module, and workers that set MASTER_ADDR/MASTER_PORT ----------------
+TUTORIAL = """
+import os
+import sys
+
+import numpy as np
+
+import meshcomm.distributed as dist
+
+STYLE, PORT, WORLD, ASKED = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+
+def setup(rank, world_size):
+    # torch's mp.spawn tutorial: each worker names the address itself
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = PORT
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def worker(rank, world_size):
+    setup(rank, world_size)
+    t = np.full(2, float(rank))
+    dist.all_reduce(t)
+    print(f"rank {rank} of {dist.get_world_size()}: {t.tolist()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if STYLE == "module":
+        import meshcomm.spawn as mp
+
+        mp.spawn(worker, args=(ASKED,), nprocs=WORLD, join=True)
+    elif STYLE == "attribute":
+        import meshcomm
+
+        meshcomm.spawn(worker, args=(ASKED,), nprocs=WORLD)
+    else:
+        from meshcomm.spawn import spawn
+
+        spawn(worker, args=(ASKED,), nprocs=WORLD)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_tutorial(tmp_path: Any, style: str, world: int, asked: int) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tutorial.py"
+    script.write_text(TUTORIAL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHCOMM_", "MASTER_"))}
+    env["MESHCOMM_TIMEOUT"] = "60"
+    args = [sys.executable, str(script), style, str(_free_port()), str(world), str(asked)]
+    return subprocess.run(args, check=False, capture_output=True, text=True, timeout=90, env=env)
+
+
+@pytest.mark.parametrize(("style", "world"), [("module", 2), ("attribute", 3), ("function", 2)])
+def test_spawn_tutorial_sets_its_own_master_address(tmp_path: Any, style: str, world: int) -> None:
+    proc = _run_tutorial(tmp_path, style, world, world)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total = float(sum(range(world)))
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r} of {world}: {[total, total]}" for r in range(world)]
+
+
+def test_spawn_worker_asking_another_world_size_fails_at_once(tmp_path: Any) -> None:
+    import time
+
+    start = time.monotonic()
+    proc = _run_tutorial(tmp_path, "module", 2, 3)
+    assert proc.returncode != 0
+    assert "init_process_group got world_size=3 but WORLD_SIZE=2" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 45  # not the rendezvous timeout
+
+
+def test_spawn_module_is_the_callable() -> None:
+    import meshcomm
+    import meshcomm.spawn as mp
+    from meshcomm.spawn import spawn
+
+    assert isinstance(mp, type(inspect))  # a module, as torch.multiprocessing
+    assert meshcomm.spawn is mp and callable(mp)
+    assert inspect.isfunction(spawn) and mp.spawn is spawn
+    assert mp.ProcessContext is mp.SpawnContext
+    assert list(inspect.signature(mp).parameters) == list(inspect.signature(spawn).parameters)
+    with pytest.raises(meshcomm.InvalidArgument, match="start_method='fork'"):
+        mp.start_processes(print, start_method="fork")
