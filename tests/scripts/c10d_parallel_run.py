@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -476,11 +477,13 @@ def _run(record: Record, name: str, fn: Callable[[], Record]) -> None:
     only = os.environ.get("C10D_PARALLEL_ONLY")
     if only and name not in only.split(","):
         return
+    start = time.perf_counter()
     try:
         record["values"] |= fn()
     except Exception:
         record["errors"][name] = traceback.format_exc()
     dist.barrier()
+    record["seconds"][name] = time.perf_counter() - start
 
 
 def main(backend: str, out_dir: Path, other: Path | None) -> None:
@@ -499,6 +502,7 @@ def main(backend: str, out_dir: Path, other: Path | None) -> None:
         "mesh_groups": [type(mesh.get_group(d)).__name__ for d in range(mesh.ndim)],
         "values": {},
         "errors": {},
+        "seconds": {},
     }
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     _run(record, "dtensor", lambda: scenario_dtensor(mesh))
