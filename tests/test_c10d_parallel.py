@@ -14,8 +14,9 @@ here compare backend "meshcomm" with backend "gloo":
   float32 too, where FSDP2 reduces gradients with AVG, or PREMUL_SUM (which gloo refuses;
   checked against gloo's AVG with the learning rate scaled, to float32 rounding);
 - more of it: Partial("avg"), a flattened 2-D mesh, TP over the whole world,
-  ``loss_parallel``, FSDP2 without resharding after forward, with mixed precision and with
-  gradient accumulation (``set_requires_gradient_sync``);
+  ``loss_parallel``, FSDP2 without resharding after forward, with mixed precision, with
+  gradient accumulation (``set_requires_gradient_sync``) and with explicit prefetching,
+  composable DDP (``replicate``), an asynchronous redistribution;
 - torch.distributed.pipelining, GPipe and 1F1B with one stage per rank;
 - torch's state-dict helpers: a full state dict on rank 0 loaded into a meta-device FSDP2
   model (``broadcast_from_rank0``), full model and optimizer state dicts, ``dcp.async_save``;
@@ -62,6 +63,8 @@ SUMMED_OVER_4 = (
     "more tpworld ",
     "more loss_parallel ",
     "more fsdp ",
+    "more prefetch ",
+    "more replicate ",
     "sd full ",
     "sd optim ",
     "sd async param ",
@@ -230,6 +233,9 @@ def test_more_of_the_stack(jobs: Jobs, world: int) -> None:
     assert any(k.startswith("more loss_parallel grad ") for k in values)
     assert any(k.startswith("more fsdp grad ") for k in values)
     assert world == 2 or "more flattened S0 -> S1" in values
+    assert "more async redistribute" in values
+    assert any(k.startswith("more prefetch grad ") for k in values)
+    assert any(k.startswith("more replicate grad ") for k in values)
 
 
 @pytest.mark.timeout(300)

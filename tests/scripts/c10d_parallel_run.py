@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -314,7 +315,8 @@ def scenario_fsdp_tp(mesh: DeviceMesh) -> Record:
 
 def scenario_more(mesh: DeviceMesh, flat: DeviceMesh) -> Record:
     """More of the stack: Partial("avg"), a flattened mesh, loss_parallel, TP over the world,
-    and FSDP2's options (no reshard after forward, mixed precision, gradient accumulation)."""
+    FSDP2's options (no reshard after forward, mixed precision, gradient accumulation,
+    explicit prefetching), composable DDP (``replicate``), an async redistribution."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(7)
     out: Record = {}
@@ -361,6 +363,27 @@ def scenario_more(mesh: DeviceMesh, flat: DeviceMesh) -> Record:
     sharded.set_requires_gradient_sync(True)
     net(batches[1]).pow(2).mean().backward()
     out |= {f"more fsdp {k}": v for k, v in _grads(net).items()}
+
+    # FSDP2's explicit prefetching, and an early unshard.
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Linear(8, 8, dtype=DTYPE) for _ in range(3)])
+    units = [fully_shard(layer, mesh=flat) for layer in chain]
+    root = fully_shard(chain, mesh=flat)
+    units[0].set_modules_to_forward_prefetch([units[1], units[2]])
+    units[2].set_modules_to_backward_prefetch([units[1], units[0]])
+    root.unshard(async_op=True)
+    chain(inp).pow(2).sum().backward()
+    out |= {f"more prefetch {k}": v for k, v in _grads(chain).items()}
+
+    # Composable DDP (replicate), and an asynchronous redistribution.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 6, dtype=DTYPE), nn.Linear(6, 3, dtype=DTYPE))
+    replicate(plain)
+    plain(inp * (rank + 1)).sum().backward()
+    out |= {f"more replicate {k}": v for k, v in _grads(plain).items()}
+    sharded_x = distribute_tensor(x, flat, [Shard(0)])
+    later = sharded_x.redistribute(flat, [Replicate()], async_op=True)
+    out["more async redistribute"] = (later.to_local() * 2).clone()
     return out
 
 
