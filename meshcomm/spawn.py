@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
 
+    from meshcomm._run_torch_port import PortReservation
     from meshcomm.store.server import StoreServer
 
 
@@ -134,8 +135,10 @@ class SpawnContext:
         errors: list[Connection],
         server: StoreServer | None,
         grace_period: float = DEFAULT_GRACE_PERIOD,
+        torch_port: PortReservation | None = None,
     ) -> None:
         self.processes = processes
+        self._torch_port = torch_port
         self._errors: dict[int, Connection] = dict(enumerate(errors))
         self._tracebacks: dict[int, str] = {}
         self._server = server
@@ -233,6 +236,9 @@ class SpawnContext:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._torch_port is not None:
+            self._torch_port.close()
+            self._torch_port = None
 
     def _error(self, rank: int, stopped_count: int) -> SpawnError:
         proc = self.processes[rank]
@@ -282,12 +288,14 @@ def spawn(
     """Run ``fn(rank, *args)`` in ``nprocs`` new processes with a ready rendezvous.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``, ``MESHCOMM_STORE_HOSTED=1`` (the store is a
-    ``StoreServer`` this process hosts on 127.0.0.1) and ``MESHCOMM_SECRET`` (this process's
-    own if set, else a fresh one per call; the store admits only holders of it), so
-    ``meshcomm.init()`` in ``fn`` joins a world of ``nprocs``. If one process fails, the
-    others are stopped (SIGTERM, then SIGKILL after a few seconds) and an exception says
-    which rank failed and why. The
+    ``MESHCOMM_MASTER_ADDR``, ``MESHCOMM_MASTER_PORT`` and ``MESHCOMM_STORE_HOSTED=1`` (the
+    store is a ``StoreServer`` this process hosts on 127.0.0.1) and ``MESHCOMM_SECRET``
+    (this process's own if set, else a fresh one per call; the store admits only holders of
+    it), so ``meshcomm.init()`` in ``fn`` joins a world of ``nprocs``; and ``MASTER_ADDR``,
+    ``MASTER_PORT`` (a port kept free for rank 0) so torch's own
+    ``init_process_group`` (``"meshcomm"``, ``"gloo"``) works in ``fn`` too. If one
+    process fails, the others are stopped (SIGTERM, then SIGKILL after a few seconds) and
+    an exception says which rank failed and why. The
     processes die if this one is killed; start them from a thread that outlives them (Linux
     ties them to the starting thread).
 
@@ -340,6 +348,11 @@ def spawn(
     # these processes. It reaches them through their environment, never a socket.
     secret = launch_secret()
     server = _host_store(secret)
+    # torch's own init_process_group (env://) has rank 0 serve torch's store on MASTER_PORT:
+    # a port kept free for it, apart from meshcomm's store (as meshrun does).
+    from meshcomm._run_torch_port import PortReservation
+
+    torch_port = PortReservation()
     processes: list[BaseProcess] = []
     readers: list[Connection] = []
     try:
@@ -350,8 +363,9 @@ def spawn(
                 local_rank=rank,
                 local_world_size=nprocs,
                 master_addr="127.0.0.1",
-                master_port=server.port,
+                master_port=torch_port.port,
             )
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
             # meshcomm finds the store through its own variables, which win over
             # MASTER_ADDR/MASTER_PORT: torch's tutorials have fn set those itself (to an
             # address nobody serves here) before init_process_group.
@@ -369,9 +383,9 @@ def spawn(
             processes.append(proc)
             readers.append(reader)
     except BaseException:
-        SpawnContext(processes, readers, server).terminate()  # stop those already started
+        SpawnContext(processes, readers, server, torch_port=torch_port).terminate()
         raise
-    context = SpawnContext(processes, readers, server)
+    context = SpawnContext(processes, readers, server, torch_port=torch_port)
     if not join:
         return context
     if not context.join(seconds):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -43,7 +44,9 @@ def use_store(rank: int, outdir: str) -> None:
     from meshcomm.store import TCPStore
 
     world_size = int(os.environ["WORLD_SIZE"])
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+    store = TCPStore(
+        os.environ["MESHCOMM_MASTER_ADDR"], int(os.environ["MESHCOMM_MASTER_PORT"]), timeout=30
+    )
     try:
         store.set(f"value/{rank}", str(rank + 1))
         total = sum(int(store.get(f"value/{r}")) for r in range(world_size))
@@ -121,6 +124,17 @@ def run_failing(tmp_path: Path, mode: str, failing: int, nprocs: int = 3) -> Spa
         return info.value
     finally:
         ctx.terminate()
+
+
+def torch_backend_all_reduce(rank: int, outdir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("meshcomm")  # torch's own env:// rendezvous on MASTER_PORT
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)
+    Path(outdir, f"{rank}.sum").write_text(f"{dist.get_backend()} {t.tolist()}")
+    dist.destroy_process_group()
 
 
 # -- tests ---------------------------------------------------------------------------------------
@@ -250,3 +264,13 @@ def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], messag
     call: dict[str, object] = {"fn": sleep_for, "args": (0.0,), "nprocs": 1, **kwargs}
     with pytest.raises(error, match=re.escape(message)):
         spawn(**call)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed (meshcomm[torch])"
+)
+def test_torch_init_process_group_in_spawned_ranks(tmp_path: Path) -> None:
+    """torch's own init (env://) in fn: rank 0 serves torch's store on a port of its own."""
+    spawn(torch_backend_all_reduce, args=(str(tmp_path),), nprocs=3, timeout=RUN_TIMEOUT)
+    for rank in range(3):
+        assert Path(tmp_path, f"{rank}.sum").read_text() == "meshcomm [3.0, 3.0]"
