@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
@@ -267,8 +268,8 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         op = _reduce_op(opts.reduceOp, "allreduce_coalesced", self)
         return self._issue(
             opts,
-            lambda a: inplace.all_reduce_coalesced(
-                list(tensors), op, group=self._handle, async_op=a
+            lambda a: _undeprecated(
+                inplace.all_reduce_coalesced, list(tensors), op, group=self._handle, async_op=a
             ),
             tensors,
         )
@@ -316,8 +317,12 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         """Gather several tensors from every rank (``dist.all_gather_coalesced``)."""
         return self._issue(
             opts,
-            lambda a: inplace.all_gather_coalesced(
-                output_lists, list(inputs), group=self._handle, async_op=a
+            lambda a: _undeprecated(
+                inplace.all_gather_coalesced,
+                output_lists,
+                list(inputs),
+                group=self._handle,
+                async_op=a,
             ),
             output_lists,
         )
@@ -514,6 +519,18 @@ class MeshcommProcessGroup(_TorchProcessGroup):
     def abort(self) -> None:
         """As :meth:`shutdown`: meshcomm's close never blocks on peers."""
         self.shutdown()
+
+
+def _undeprecated(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """Call one of the in-place layer's deprecated functions without its FutureWarning.
+
+    torch already warned the user who called ``dist.all_reduce_coalesced`` (and funcol's
+    coalesced calls, which torch routes here, are not deprecated): the backend's own use
+    of the in-place layer must not add a second warning pointing into meshcomm.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`meshcomm\.distributed\.", FutureWarning)
+        return fn(*args, **kwargs)
 
 
 def _reduce_op(op: Any, what: str, pg: MeshcommProcessGroup) -> Any:
