@@ -230,6 +230,7 @@ COLLECTIVES = (
     "barrier",
     "new_group",
     "async ",
+    "object ",
 )
 
 
@@ -389,13 +390,16 @@ def test_dead_peer_and_mismatched_calls_raise_torch_and_meshcomm_errors(tmp_path
 _AUTOLOAD = """
 import sys
 import torch.distributed as dist
-assert "meshcomm" not in sys.modules, "torch's import imported meshcomm"
+# torch's import ran the entry point, which registered the backend lazily: the backend's
+# module is imported when torch first makes a "meshcomm" group.
 assert "MESHCOMM" in dist.Backend._plugins, "the autoload entry point did not register"
+assert "meshcomm.c10d" not in sys.modules, "the autoload imported the backend eagerly"
 import torch
 dist.init_process_group("meshcomm", store=dist.HashStore(), rank=0, world_size=1)
 t = torch.arange(3.0)
 dist.all_reduce(t)
 assert t.tolist() == [0.0, 1.0, 2.0] and dist.get_backend() == "meshcomm"
+assert "meshcomm.c10d" in sys.modules
 print("autoload", type(dist.group.WORLD).__name__)
 dist.destroy_process_group()
 """

@@ -346,6 +346,24 @@ def scenario_collectives(rec: Recorder) -> None:
 
     rec.check("new_group subsets", subgroups)
 
+    def objects() -> list[torch.Tensor]:
+        # torch's object collectives: pickles over broadcast / all_gather / gather / scatter.
+        everyone: list[Any] = [None] * n
+        dist.all_gather_object(everyone, {"rank": r, "name": "x" * (r + 1)})
+        sent: list[Any] = [f"from {r}", r * 1.5]
+        dist.broadcast_object_list(sent, src=n - 1)
+        gathered: list[Any] | None = [None] * n if r == 0 else None
+        dist.gather_object(("g", r), gathered, dst=0)
+        got: list[Any] = [None]
+        dist.scatter_object_list(got, [("s", j) for j in range(n)] if r == 1 else None, src=1)
+        flat = [float(e["rank"] * 10 + len(e["name"])) for e in everyone]
+        flat += [float(sent[0] == f"from {n - 1}"), float(sent[1])]
+        flat += [float(g[1]) for g in gathered] if gathered is not None else [-1.0] * n
+        flat += [float(got[0][1])]
+        return [torch.tensor(flat, dtype=DTYPE)]
+
+    rec.check("object collectives", objects)
+
     def async_all_reduce() -> list[torch.Tensor]:
         a = _data(r, 3, DTYPE)
         w = dist.all_reduce(a, async_op=True)
