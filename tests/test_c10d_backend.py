@@ -21,8 +21,8 @@ saves each rank's values; the tests here compare the two backends:
 
 Values are float64 and must be bit-equal to gloo's, except reductions over more than two
 ranks (the order of the additions differs): within 1e-12. Known differences from gloo,
-checked apart: gloo all-reduces a non-contiguous view wrongly (it writes the result as if
-the view were contiguous; meshcomm's equals the all-reduce of a contiguous copy), and the
+checked apart: gloo all-reduces and broadcasts a non-contiguous view wrongly (it writes the
+result as if the view were contiguous; meshcomm's equals the call on a contiguous copy), and the
 future of an async ``all_gather_into_tensor`` holds gloo's input but meshcomm's output (as
 NCCL's).
 
@@ -66,12 +66,15 @@ SLACK = 5.0
 REDUCED = (
     "all_reduce sum",
     "all_reduce product",
+    "all_reduce avg",
     "all_reduce strided",
     "all_reduce_coalesced",
     "coalescing_manager all_reduce",
     "coalescing_manager reduce_scatter",
     "reduce_scatter sum",
     "reduce_scatter product",
+    "reduce_scatter avg",
+    "reduce_scatter_tensor avg",
     "reduce_scatter_tensor sum",
     "reduce_scatter_tensor product",
     "reduce sum",
@@ -86,6 +89,7 @@ REDUCED = (
 # Checked apart from gloo (see the module docstring), or meshcomm's alone.
 APART = (
     "all_reduce strided",
+    "broadcast strided",
     "async all_gather_into_tensor future",
     "funcol compiled",
     "unsupported ",
@@ -244,8 +248,9 @@ def test_every_collective_equals_gloo(jobs: Jobs, world: int) -> None:
     gloo, ours = jobs.records(world)
     for rank, record in ours.items():
         values = record["values"]
-        # A non-contiguous view is reduced in place, as a contiguous copy of it would be.
+        # A non-contiguous view is reduced (broadcast) in place, as a contiguous copy would be.
         assert torch.equal(values["all_reduce strided"], values["all_reduce strided reference"])
+        assert torch.equal(values["broadcast strided"], values["broadcast strided reference"])
         # The future of an async all_gather_into_tensor holds the gathered output.
         assert torch.equal(
             values["async all_gather_into_tensor future"],
@@ -259,9 +264,13 @@ def test_every_collective_equals_gloo(jobs: Jobs, world: int) -> None:
         # torch warned about its deprecated call; the backend added no warning of its own.
         warned = record["info"]["coalesced warnings"]
         assert not [w for w in warned if "meshcomm" in w], warned
-    # gloo's strided all-reduce is wrong (its result ignores the view's strides), so the
-    # reference is gloo's all-reduce of the contiguous copy.
+    # gloo's strided all-reduce and broadcast are wrong (they write the result as if the view
+    # were contiguous), so the reference is gloo's call on the contiguous copy.
     for rank in range(world):
+        assert torch.equal(
+            ours[rank]["values"]["broadcast strided"],
+            gloo[rank]["values"]["broadcast strided reference"],
+        )
         torch.testing.assert_close(
             ours[rank]["values"]["all_reduce strided"],
             gloo[rank]["values"]["all_reduce strided reference"],

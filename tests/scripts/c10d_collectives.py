@@ -73,7 +73,9 @@ def _ops(dtype: torch.dtype) -> list[tuple[str, Any]]:
         ("min", dist.ReduceOp.MIN),
         ("max", dist.ReduceOp.MAX),
     ]
-    if not dtype.is_floating_point:
+    if dtype.is_floating_point:
+        ops.append(("avg", dist.ReduceOp.AVG))
+    else:
         ops += [("band", dist.ReduceOp.BAND), ("bor", dist.ReduceOp.BOR)]
         ops += [("bxor", dist.ReduceOp.BXOR)]
     return ops
@@ -127,6 +129,19 @@ def scenario_collectives(rec: Recorder) -> None:
         dist.all_reduce(t)
         return torch.tensor(list(t.shape))
 
+    def broadcast_strided(contiguous: bool) -> torch.Tensor:
+        base = _data(r, 12, DTYPE).reshape(3, 4)
+        view = base[:, ::2]
+        if contiguous:
+            copy = view.contiguous()
+            dist.broadcast(copy, src=1)
+            view.copy_(copy)
+        else:
+            dist.broadcast(view, src=1)
+        return base
+
+    rec.check("broadcast strided", lambda: broadcast_strided(False))
+    rec.check("broadcast strided reference", lambda: broadcast_strided(True))
     rec.check("all_reduce strided", strided)
     rec.check("all_reduce strided reference", strided_reference)
     rec.check("all_reduce transposed", transposed)
