@@ -73,29 +73,10 @@ from meshcomm.reduction import ReduceOp
 from meshcomm.store.base import Store
 from meshcomm.work import ProgressEngine, Work
 
-__all__ = ["DEBUG_ENV_VARS", "CallableInt", "ProcessGroup", "Work", "new_group"]
+__all__ = ["DEBUG_ENV_VARS", "ProcessGroup", "Work", "new_group"]
 
 ArrayLike = npt.ArrayLike
 OpLike = str | ReduceOp
-
-
-class CallableInt(int):
-    """An int that also answers a call with itself.
-
-    torch's process groups have methods ``rank()`` and ``size()`` where meshcomm's have
-    properties; code written for torch (Megatron's ``group.size()``) then runs on meshcomm
-    groups unchanged, and meshcomm code keeps ``group.size`` a plain number.
-
-    Example:
-        >>> n = CallableInt(4)
-        >>> n + 1, n(), n == 4, f"{n}"
-        (5, 4, True, '4')
-    """
-
-    __slots__ = ()
-
-    def __call__(self) -> int:
-        return int(self)
 
 
 class ProcessGroup(SubGroups, PointToPoint):
@@ -178,13 +159,13 @@ class ProcessGroup(SubGroups, PointToPoint):
     # -- identity ------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        """This process's rank in the group (an int; ``group.rank()`` works too, as torch's)."""
-        return CallableInt(self._comm.rank)
+        """This process's rank in the group."""
+        return self._comm.rank
 
     @property
     def size(self) -> int:
-        """The number of ranks in the group (an int; ``group.size()`` works too, as torch's)."""
-        return CallableInt(self._comm.size)
+        """The number of ranks in the group."""
+        return self._comm.size
 
     @property
     def ranks(self) -> tuple[int, ...]:

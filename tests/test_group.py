@@ -10,7 +10,6 @@ from __future__ import annotations
 import doctest
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -25,7 +24,6 @@ import meshcomm._subgroups
 import meshcomm.backends.base
 import meshcomm.backends.local
 import meshcomm.group
-import meshcomm.mesh
 import meshcomm.testing
 import meshcomm.work
 from meshcomm._arrays import ResultPool, ScratchPool
@@ -761,17 +759,3 @@ def test_doctests(module: object) -> None:
 def test_conformance_suite_in_process(g: ProcessGroup) -> None:
     assert run_conformance(g) == []
     assert meshcomm.testing.run_conformance(g, quick=True) == []
-
-
-def _torch_style_calls(group: Any) -> tuple[int, int, int, int]:
-    mesh_group = meshcomm.mesh.init_device_mesh((group.size,), mesh_dim_names=("tp",)).get_group(
-        "tp"
-    )
-    return mesh_group.size(), mesh_group.rank(), mesh_group.size + 0, group.rank()
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_size_and_rank_answer_torchs_method_calls_too(n: int) -> None:
-    """Megatron's get_pg_size(group) calls group.size(): a meshcomm group answers it."""
-    results = meshcomm.testing.run_ranks(_torch_style_calls, n)
-    assert results == [(n, r, n, r) for r in range(n)]
