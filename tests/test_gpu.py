@@ -246,7 +246,7 @@ def _compat_on_device(group: Any) -> list[str]:
     expect("cupy all_reduce", c, np.full(3, size * (size + 1) // 2))
 
     pieces = [cupy.zeros(2, dtype=cupy.float32) for _ in range(size)]
-    dist.all_gather(pieces, cupy.full((2,), rank, dtype=cupy.float32))
+    dist.all_gather(pieces, cupy.full((2,), float(rank), dtype=cupy.float32))
     for r, piece in enumerate(pieces):
         expect(f"cupy all_gather[{r}]", piece, np.full(2, float(r)))
 

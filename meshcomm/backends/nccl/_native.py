@@ -347,10 +347,13 @@ class NativeComm:
             self._live("ncclCommSplit"), color, key, ctypes.byref(handle), ctypes.byref(config)
         )
         if not handle.value and code in (0, IN_PROGRESS):
-            # NOCOLOR: nothing was made, but the parent may still be settling the split.
+            # The parent may still be running the split: NCCL can write the new handle only
+            # when that job ends (seen with NCCL 2.28, non-blocking), so settle it and look
+            # again; still none: NOCOLOR, nothing was made.
             if code == IN_PROGRESS:
                 self._settle("ncclCommSplit")
-            return None
+            if not handle.value:
+                return None
         return self._settled(self._lib, handle, code, "ncclCommSplit", self.timeout)
 
     # -- cupy's NcclCommunicator methods -------------------------------------------------
