@@ -325,7 +325,7 @@ def test_unsupported_features_fail_before_any_io(jobs: Jobs) -> None:
     _, ours = jobs.records(2)
     found = ours[0]["info"]["unsupported"]
     assert found["timeout"].startswith("Unsupported: a per-call timeout (7.0 s)"), found
-    assert "init_process_group or new_group" in found["timeout"]
+    assert "give the timeout to init_process_group" in found["timeout"]
     assert found["two tensors"].startswith("Unsupported: allreduce: "), found
     assert "one tensor per process" in found["two tensors"] and "got 2" in found["two tensors"]
     assert found["two broadcast"].startswith("Unsupported: broadcast: "), found
