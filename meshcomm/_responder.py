@@ -59,6 +59,7 @@ __all__ = ["Responder", "answer", "ask", "ask_call"]
 _PREFIX = "meshcomm/"
 # The responder's store wait: how often it looks at its stop flag when nobody asks.
 _IDLE_WAIT = 5.0
+_TORCH_IDLE_WAIT = 24 * 3600.0
 
 
 def _ask_key(rank: int, n: int) -> str:
@@ -168,7 +169,22 @@ def _own_connection(store: Store) -> tuple[Store, bool] | None:
         return TCPStore(store.host, store.port, timeout=store.timeout, secret=secret), True
     if isinstance(store, HashStore):
         return store, False  # in-process and thread-safe: a wait blocks no other caller
+    from meshcomm.store.torch_adapter import TorchStore  # imports no torch
+
+    if isinstance(store, TorchStore):  # torchrun's store, or torch's (the "meshcomm" backend)
+        return store.clone(), True
     return None
+
+
+def _idle_wait(store: Store) -> float:
+    """How long one idle wait lasts: torch's stores log a warning each time a wait times out,
+    so on those the responder waits long (its stop request wakes it all the same)."""
+    inner = store
+    while isinstance(inner, PrefixStore):
+        inner = inner.underlying_store
+    from meshcomm.store.torch_adapter import TorchStore
+
+    return _TORCH_IDLE_WAIT if isinstance(inner, TorchStore) else _IDLE_WAIT
 
 
 class Responder:
@@ -200,11 +216,12 @@ class Responder:
 
     def _serve(self) -> None:
         store, rank, n = self._store, self._rank, 1
+        idle = _idle_wait(store)
         try:
             while not self._stopping:
                 key = _ask_key(rank, n)
                 try:
-                    store.wait([key], _IDLE_WAIT)
+                    store.wait([key], idle)
                 except StoreTimeout:
                     continue
                 request = store.get(key)

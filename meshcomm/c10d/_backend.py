@@ -105,58 +105,7 @@ def _world_group(options: Any, seconds: float | None) -> MeshcommProcessGroup:
     store = TorchStore(options.store, timeout=seconds)
     backend = os.environ.get("MESHCOMM_BACKEND") or None
     group = world.init(backend=backend, rank=rank, world_size=size, timeout=seconds, store=store)
-    _start_responder(group)
     return MeshcommProcessGroup(group, options.timeout, on_close=world.shutdown)
-
-
-# How long the responder's idle wait on torch's store lasts: torch logs a warning each time
-# a TCPStore wait times out, so the responder waits long (its stop request wakes it).
-_RESPONDER_IDLE_WAIT = 24 * 3600.0
-
-
-def _start_responder(group: MeshGroup) -> None:
-    """Give a world joined over torch's store its responder (both calls in mismatch words).
-
-    A rank's responder answers the other ranks through the store ("what was your call
-    #N?", "where are you?"), so a mismatch error names both ranks' calls and a timeout's
-    verdict says where each rank is. It blocks in the store on a connection of its own,
-    which ``world.init`` opens only for meshcomm's stores: over torch's store (torchrun,
-    env://, ``mp.spawn``) it started none, and each rank's error named one call ("rank 1's
-    record of it could not be read"). torch's stores clone a connection (``Store.clone``);
-    the responder gets one here, and ``world.shutdown`` stops it as its own.
-    """
-    from meshcomm import _responder
-    from meshcomm.store import PrefixStore
-    from meshcomm.store.torch_adapter import TorchStore
-
-    class LongWait(TorchStore):
-        """The responder's connection: idle waits that do not time out every few seconds."""
-
-        def wait(self, keys: Any, timeout: Any = None) -> None:
-            super().wait(keys, _RESPONDER_IDLE_WAIT)
-
-    holder: Any = world._WORLD
-    store = world.get_world_info().store
-    if group.size == 1 or holder._responder is not None or store is None:
-        return
-
-    def own(s: Any) -> Any:
-        if isinstance(s, PrefixStore):
-            inner = own(s.underlying_store)
-            return None if inner is None else PrefixStore(s.prefix, inner)
-        if isinstance(s, TorchStore) and getattr(s, "_store", None) is not None:
-            return LongWait(s._store.clone(), timeout=s.timeout)
-        return None
-
-    try:
-        connection = own(store)
-    except Exception:  # no second connection: the errors keep their one-sided words
-        return
-    if connection is None:
-        return
-    responder = _responder.Responder(group, connection, group.rank, owns=True)
-    responder._thread.start()
-    holder._responder = responder
 
 
 def _subgroup(options: Any, seconds: float | None, timeout: timedelta) -> MeshcommProcessGroup:

@@ -209,6 +209,22 @@ class TorchStore(Store):
         raw = encode_value(value)
         self._call("append", lambda s: s.append(key, raw))
 
+    def clone(self) -> TorchStore:
+        """A second connection to the same store (torch's ``Store.clone``), for a thread that
+        blocks in it.
+
+        Raises:
+            StoreError: this store is closed, or torch's store cannot be cloned (a
+                ``HashStore`` can: the clone shares its keys).
+        """
+        if self._store is None:
+            raise StoreError(f"{self._address}: the store is closed")
+        try:
+            copy = self._store.clone()
+        except Exception as exc:  # torch raises RuntimeError for stores without clone()
+            raise StoreError(f"{self._address}: cannot clone the store: {exc}") from exc
+        return TorchStore(copy, timeout=self._timeout, address=self._address)
+
     def close(self) -> None:
         """Drop the torch store; torch closes its connection when the last reference goes."""
         self._store = None
