@@ -83,6 +83,7 @@ def main() -> None:
     out = os.environ.get("EXAMPLE_OUT")
     if out and rank == 0:
         torch.save({"backend": dist.get_backend(), "losses": losses, "weights": weights}, out)
+    dist.barrier()  # every rank is done before any tears down (gloo aborted at exit without)
     dist.destroy_process_group()
 
 
