@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -908,9 +909,9 @@ group.barrier()
 
 
 def _shm_names(out: str) -> set[str]:
-    names = {name for line in out.splitlines() if "SHM " in line
-             for name in line.split("SHM ", 1)[1].split()}  # fmt: skip
-    assert names and all(n.startswith("/dev/shm/mpich_shm_") for n in names), out
+    # The ranks share one pipe, so two prints can land on one line: match names, not lines.
+    names = set(re.findall(r"/dev/shm/mpich_shm_\S+", out))
+    assert names, out
     return names
 
 
