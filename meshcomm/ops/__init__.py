@@ -52,12 +52,15 @@ Example:
 
 from __future__ import annotations
 
+from meshcomm.ops import _torch_stage
 from meshcomm.ops.casts import pcast
 from meshcomm.ops.gathers import all_gather, all_to_all, psum_scatter
 from meshcomm.ops.indexing import axis_index, axis_size
 from meshcomm.ops.permutes import pbroadcast, ppermute, pshuffle
 from meshcomm.ops.pytree import tree_flatten, tree_unflatten
 from meshcomm.ops.reductions import all_reduce, pmax, pmean, pmin, pprod, psum
+
+_torch_stage.arm()  # ready for torch.compile once torch's compiler is loaded
 
 __all__ = [
     "all_gather",

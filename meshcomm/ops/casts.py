@@ -35,8 +35,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops import _transpose
+from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, run
@@ -78,6 +80,8 @@ def pcast(x: Any, axis_name: AxisName, *, to: str, mesh: DeviceMesh | None = Non
         ...
         meshcomm.errors.InvalidArgument: pcast: to must be 'varying' or 'invariant', got 'fixed'
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call("pcast", x, axis_name, mesh, False, to=to)
     if to not in ("varying", "invariant"):
         raise InvalidArgument(f"pcast: to must be 'varying' or 'invariant', got {to!r}")
     axis = resolve(axis_name, mesh, "pcast")

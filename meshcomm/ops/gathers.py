@@ -27,7 +27,7 @@ import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES, rank_blocks_fit
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops import _transpose
+from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._checks import axis_arg, block_shape, to_blocks, unstack
 from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
@@ -186,6 +186,8 @@ def all_gather(
         (2, 3, 1)
         >>> world.shutdown()
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call("all_gather", x, axis_name, mesh, async_op, axis=axis, tiled=tiled)
     ax = resolve(axis_name, mesh, "all_gather")
     arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
     kind = None if arr is not None else grad_kind(x, ax.where)
@@ -256,6 +258,16 @@ tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4
 (scatter_dimension=0, x.shape=(4,))
         >>> world.shutdown()
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call(
+            "psum_scatter",
+            x,
+            axis_name,
+            mesh,
+            async_op,
+            scatter_dimension=scatter_dimension,
+            tiled=tiled,
+        )
     ax = resolve(axis_name, mesh, "psum_scatter")
     arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
     kind = None if arr is not None else grad_kind(x, ax.where)
@@ -322,6 +334,17 @@ def all_to_all(
         (6, 1)
         >>> world.shutdown()
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call(
+            "all_to_all",
+            x,
+            axis_name,
+            mesh,
+            async_op,
+            split_axis=split_axis,
+            concat_axis=concat_axis,
+            tiled=tiled,
+        )
     ax = resolve(axis_name, mesh, "all_to_all")
     arr: Any = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor's view
     kind = None if arr is not None else grad_kind(x, ax.where)

@@ -26,8 +26,10 @@ import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops import _transpose
+from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._checks import index_arg
 from meshcomm.ops._resolve import AxisName, resolve
@@ -79,7 +81,8 @@ class _Broadcast(Kernel):
         return result[cols].reshape(meta)
 
 
-def _pairs(where: str, perm: Any, size: int, name: str) -> tuple[tuple[int, int], ...]:
+def checked_pairs(where: str, perm: Any, size: int, name: str) -> tuple[tuple[int, int], ...]:
+    """``perm`` as ``(source, destination)`` int pairs, checked against the axis size."""
     try:
         pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
     except (TypeError, ValueError):
@@ -99,6 +102,20 @@ def _pairs(where: str, perm: Any, size: int, name: str) -> tuple[tuple[int, int]
             f"{where}: {name} sources and destinations must be unique, got {list(pairs)}"
         )
     return pairs
+
+
+def shuffle_pairs(where: str, perm: Any, size: int) -> tuple[tuple[int, int], ...]:
+    """``pshuffle``'s ``perm`` (index ``i`` gets the ``x`` of ``perm[i]``) as ppermute pairs."""
+    try:
+        sources = [operator.index(p) for p in perm]
+    except TypeError:
+        raise InvalidArgument(f"{where}: perm must be a sequence of ints, got {perm!r}") from None
+    if sorted(sources) != list(range(size)):
+        raise InvalidArgument(
+            f"{where}: `perm` does not represent a permutation of range({size}) "
+            f"(the axis size): {list(sources)}"
+        )
+    return tuple((s, i) for i, s in enumerate(sources))
 
 
 def ppermute(
@@ -145,8 +162,10 @@ def ppermute(
         array(7., dtype=float32)
         >>> world.shutdown()
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call("ppermute", x, axis_name, mesh, async_op, perm=perm)
     axis = resolve(axis_name, mesh, "ppermute")
-    pairs = _pairs(axis.where, perm, axis.size, "ppermute")
+    pairs = checked_pairs(axis.where, perm, axis.size, "ppermute")
     kind = grad_kind(x, axis.where)
     if kind is not None:
         forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
@@ -192,19 +211,10 @@ def pshuffle(
         array([0, 1, 2])
         >>> world.shutdown()
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call("pshuffle", x, axis_name, mesh, async_op, perm=perm)
     axis = resolve(axis_name, mesh, "pshuffle")
-    try:
-        sources = [operator.index(p) for p in perm]
-    except TypeError:
-        raise InvalidArgument(
-            f"{axis.where}: perm must be a sequence of ints, got {perm!r}"
-        ) from None
-    if sorted(sources) != list(range(axis.size)):
-        raise InvalidArgument(
-            f"{axis.where}: `perm` does not represent a permutation of range({axis.size}) "
-            f"(the axis size): {list(sources)}"
-        )
-    pairs = tuple((s, i) for i, s in enumerate(sources))
+    pairs = shuffle_pairs(axis.where, perm, axis.size)
     kind = grad_kind(x, axis.where)
     if kind is not None:
         forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
@@ -249,6 +259,8 @@ def pbroadcast(
         {'step': array(5)}
         >>> world.shutdown()
     """
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call("pbroadcast", x, axis_name, mesh, async_op, source=source)
     axis = resolve(axis_name, mesh, "pbroadcast")
     src = index_arg(axis.where, source, axis.size, "source")
     kind = grad_kind(x, axis.where)

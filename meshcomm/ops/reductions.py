@@ -27,7 +27,7 @@ import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops import _transpose
+from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
 from meshcomm.ops._resolve import Axis, AxisName, resolve
@@ -128,6 +128,10 @@ def _reduce(
     jax_bool: bool = False,
     mean: bool = False,
 ) -> Any:
+    if type(x) is not np.ndarray and _torch_stage.tracing():
+        return _torch_stage.call(
+            name, x, axis_name, mesh, async_op, **_stage_params(name, op, factor)
+        )
     axis = resolve(axis_name, mesh, name)
     arr = x if type(x) is np.ndarray else numpy_of_tensor(x)  # a plain CPU tensor: its view
     if arr is None:
@@ -169,6 +173,11 @@ def _reduce(
 
 
 _KERNELS: dict[tuple[ReduceOp, int, bool, bool], _Reduce] = {}
+
+
+def _stage_params(name: str, op: ReduceOp, factor: Any) -> dict[str, Any]:
+    """The operator arguments of a reduction in traced code (only all_reduce has any)."""
+    return {"op": op.value, "factor": factor} if name == "all_reduce" else {}
 
 
 def _reduce_transpose(axis: Axis, axis_name: AxisName, op: ReduceOp, factor: Any) -> Any:
