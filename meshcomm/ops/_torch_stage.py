@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -109,7 +108,7 @@ def install() -> None:
     from meshcomm.ops import _torch_ops
 
     _torch_ops.install()
-    with contextlib.suppress(ValueError):  # registered already
+    if DeviceMesh not in pytree.SUPPORTED_NODES:
         pytree.register_constant(DeviceMesh)  # mesh= passes into nonstrict-traced calls
     is_compiling = torch.compiler.is_compiling
     dispatch_modes = torch._C._len_torch_dispatch_stack
