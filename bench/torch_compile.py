@@ -21,6 +21,7 @@ Rank 0 prints the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -73,9 +74,9 @@ def main() -> None:
                     compiled(arg)
                 eager, comp = [], []
                 for _ in range(args.rounds):
-                    eager.append(_per_call(lambda: op(arg), args.iters, world.barrier))
+                    eager.append(_per_call(functools.partial(op, arg), args.iters, world.barrier))
                     comp.append(
-                        _per_call(lambda: compiled(arg), args.iters, world.barrier)  # noqa: B023
+                        _per_call(functools.partial(compiled, arg), args.iters, world.barrier)
                     )
                 rows.append((name, f"{size} B", statistics.median(eager), statistics.median(comp)))
 
