@@ -289,3 +289,44 @@ def test_compiling_the_reported_block_leaves_the_group_working() -> None:
 
     problems = [p for rank in run_ranks(report_rank, 2, timeout=240) for p in rank]
     assert not problems, "\n".join(problems)
+
+
+# -- CUDA tensors (a GPU machine only) ------------------------------------------------------------
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["tcp", "cpu:tcp,cuda:nccl"])
+def test_compiled_block_on_cuda_tensors(backend: str) -> None:
+    import torch
+
+    if not _cuda():
+        pytest.skip("needs an NVIDIA GPU, torch with CUDA and cupy")
+    import meshcomm
+    from meshcomm import ops
+
+    meshcomm.init(world_size=1, rank=0, backend=backend)
+    try:
+        mesh = meshcomm.init_device_mesh((1, 1), mesh_dim_names=("dp", "tp"))
+
+        def f(x: Any, w: Any) -> Any:
+            xv = ops.pcast(x, "tp", to="varying")
+            g = ops.all_gather(ops.psum(torch.tanh(xv @ w), "tp"), "tp", axis=0, tiled=True)
+            return ops.pmean((ops.psum_scatter(g, "tp", tiled=True) ** 2).sum(), ("dp", "tp"))
+
+        x = torch.randn(8, 4, dtype=torch.float64, device="cuda")
+        w = torch.randn(4, 5, dtype=torch.float64, device="cuda", requires_grad=True)
+        with mesh:
+            f(x, w).backward()
+            want = w.grad.clone()
+            w.grad = None
+            torch.compile(f, fullgraph=True)(x, w).backward()
+            assert w.grad.device.type == "cuda" and torch.allclose(w.grad, want, rtol=0, atol=TOL)
+            work = torch.compile(lambda t: ops.psum(t, "tp", async_op=True).wait())
+            assert torch.equal(work(x), x)
+    finally:
+        meshcomm.shutdown()
+        torch._dynamo.reset()
