@@ -99,35 +99,41 @@ def real_call(op: str, xs: Tensors, group: str, args: tuple[Any, ...], async_op:
     from meshcomm import ops
 
     mesh, axis_name = lookup(group)
-    if len(xs) == 1 and not async_op and op in _REDUCE_OPS:
-        # one leaf: the op's direct path (a list takes the pytree path, 15 us more)
-        return [getattr(ops, op)(xs[0], axis_name, mesh=mesh)]
+    # One leaf goes as itself: the ops' direct paths take single arrays (a list takes the
+    # pytree path, 15 us more).
+    single = len(xs) == 1 and not async_op
+    leaves: Any = xs[0] if single else list(xs)
     common: dict[str, Any] = {"mesh": mesh, "async_op": async_op}
-    leaves = list(xs)
+    out: Any = None
     if op in _REDUCE_OPS:
-        return getattr(ops, op)(leaves, axis_name, **common)
-    if op == "all_reduce":
-        return ops.all_reduce(leaves, axis_name, args[0], factor=args[1], **common)
-    if op == "all_gather":
-        return ops.all_gather(leaves, axis_name, axis=args[0], tiled=args[1], **common)
-    if op == "psum_scatter":
-        return ops.psum_scatter(
+        out = getattr(ops, op)(leaves, axis_name, **common)
+    elif op == "all_reduce":
+        out = ops.all_reduce(leaves, axis_name, args[0], factor=args[1], **common)
+    elif op == "all_gather":
+        out = ops.all_gather(leaves, axis_name, axis=args[0], tiled=args[1], **common)
+    elif op == "psum_scatter":
+        out = ops.psum_scatter(
             leaves, axis_name, scatter_dimension=args[0], tiled=args[1], **common
         )
-    if op == "all_to_all":
-        return ops.all_to_all(leaves, axis_name, args[0], args[1], tiled=args[2], **common)
-    if op == "ppermute":
-        return ops.ppermute(leaves, axis_name, _pairs(args[0]), **common)
-    if op == "pbroadcast":
-        return ops.pbroadcast(leaves, axis_name, args[0], **common)
-    if op == "pcast":
-        return ops.pcast(leaves, axis_name, to=args[0], mesh=mesh)
+    elif op == "all_to_all":
+        out = ops.all_to_all(leaves, axis_name, args[0], args[1], tiled=args[2], **common)
+    elif op == "ppermute":
+        out = ops.ppermute(leaves, axis_name, _pairs(args[0]), **common)
+    elif op == "pbroadcast":
+        out = ops.pbroadcast(leaves, axis_name, args[0], **common)
+    elif op == "pcast":
+        out = ops.pcast(leaves, axis_name, to=args[0], mesh=mesh)
+    if out is not None:
+        return [out] if single else out
     raise InvalidArgument(f"meshcomm: no operator {op!r}")
 
 
 def _unaliased(xs: Tensors, outs: Tensors) -> Tensors:
     """``outs``, each copied if it is an input's memory (an operator's outputs must not
     alias its inputs; a size-1 axis may hand an input back)."""
+    if len(xs) == 1:
+        o = outs[0]
+        return [o.clone()] if o.numel() and o.data_ptr() == xs[0].data_ptr() else outs
     held = {x.data_ptr() for x in xs}
     return [o.clone() if o.numel() and o.data_ptr() in held else o for o in outs]
 
@@ -258,27 +264,52 @@ def _needs_primals(op: str, args: tuple[Any, ...]) -> bool:
     return op == "all_reduce" and parse_op(args[0]) in (ReduceOp.MAX, ReduceOp.MIN)
 
 
-def _register_autograd(op: str) -> None:
+def _register_autograd(op: str, real: Callable[..., Tensors]) -> None:
+    """The operator's Autograd kernel: its backward from the transpose table.
+
+    Written by hand rather than with ``torch.library.register_autograd``, whose wrapper
+    costs about 8 us on every call, gradients or not; here a call that needs no gradient
+    on plain tensors (every call from a compiled graph: AOTAutograd differentiated the
+    graph already) goes straight to the kernel, without re-entering the dispatcher.
+    """
     import torch
 
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        xs, group, *args = inputs
-        ctx.group, ctx.args, ctx.count = group, tuple(args), len(xs)
-        if _needs_primals(op, ctx.args):
-            ctx.save_for_backward(*xs, *output)
+    overload = getattr(torch.ops.meshcomm, op).default
+    below = torch._C._AutoDispatchBelowAutograd
+    modes = torch._C._len_torch_dispatch_stack
+    tensor = torch.Tensor
 
-    def backward(ctx: Any, grads: Sequence[Any]) -> tuple[Any, ...]:
-        xs: list[Any] = []
-        ys: list[Any] = []
-        if _needs_primals(op, ctx.args):
-            saved = ctx.saved_tensors
-            xs, ys = list(saved[: ctx.count]), list(saved[ctx.count :])
-        cts = _rule(op, ctx.group, ctx.args)(list(grads), xs, ys)
-        return (list(cts), None, *(None for _ in ctx.args))
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, group: str, args: tuple[Any, ...], *xs: Any) -> Any:
+            with below():
+                outs = overload(list(xs), group, *args)
+            ctx.group, ctx.args, ctx.count = group, args, len(xs)
+            if _needs_primals(op, args):
+                ctx.save_for_backward(*xs, *outs)
+            return tuple(outs)
 
-    torch.library.register_autograd(
-        f"meshcomm::{op}", backward, setup_context=setup_context, lib=_LIBRARY[0]
-    )
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            xs: list[Any] = []
+            ys: list[Any] = []
+            if _needs_primals(op, ctx.args):
+                saved = ctx.saved_tensors
+                xs, ys = list(saved[: ctx.count]), list(saved[ctx.count :])
+            cts = _rule(op, ctx.group, ctx.args)(list(grads), xs, ys)
+            return (None, None, *cts)
+
+    Node.__name__ = Node.__qualname__ = "Meshcomm" + op.title().replace("_", "")
+
+    def kernel(xs: Tensors, group: str, *args: Any) -> Tensors:
+        if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+            return list(Node.apply(group, args, *xs))
+        if not modes() and all(type(x) is tensor for x in xs):
+            return real(xs, group, *args)
+        with below():
+            return overload(xs, group, *args)  # type: ignore[no-any-return]
+
+    _LIBRARY[0].impl(op, kernel, "Autograd")
 
 
 # -- async: start and wait -------------------------------------------------------------------
@@ -346,7 +377,7 @@ def install() -> None:
             return _fake(op, xs, group, args)
 
         _define(op, schema, real, fake)
-        _register_autograd(op)
+        _register_autograd(op, real)
     _define("start", "(Tensor[] xs, str group, str op, str args) -> Tensor[]", _start_real,
             _start_fake)  # fmt: skip
     _define("wait", "(Tensor token, Tensor[] shapes) -> Tensor[]", _wait_real, _wait_fake)
