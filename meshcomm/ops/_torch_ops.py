@@ -307,7 +307,7 @@ def _register_autograd(op: str, real: Callable[..., Tensors]) -> None:
         if not modes() and all(type(x) is tensor for x in xs):
             return real(xs, group, *args)
         with below():
-            return overload(xs, group, *args)  # type: ignore[no-any-return]
+            return overload(xs, group, *args)
 
     _LIBRARY[0].impl(op, kernel, "Autograd")
 
