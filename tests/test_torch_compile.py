@@ -330,3 +330,31 @@ def test_compiled_block_on_cuda_tensors(backend: str) -> None:
     finally:
         meshcomm.shutdown()
         torch._dynamo.reset()
+
+
+# -- other tracers --------------------------------------------------------------------------------
+def test_make_fx_and_export_record_the_operators() -> None:
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from meshcomm import ops, world
+    from meshcomm.mesh import init_device_mesh
+
+    def f(x: Any) -> Any:
+        return ops.all_gather(ops.psum(x, "tp") * 2, "tp", tiled=True)
+
+    class Block(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return f(x)
+
+    try:
+        with init_device_mesh((1,), ("tp",)):
+            graphs = [make_fx(f)(torch.ones(3)), torch.export.export(Block(), (torch.ones(3),))]
+            for traced in graphs:
+                called = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+                assert "meshcomm.psum.default" in called, called
+                assert "meshcomm.all_gather.default" in called, called
+            assert torch.equal(graphs[0](torch.ones(3)), torch.full((3,), 2.0))
+            assert torch.equal(graphs[1].module()(torch.ones(3)), torch.full((3,), 2.0))
+    finally:
+        world.shutdown()
