@@ -45,6 +45,7 @@ __all__ = [
     "copy_into",
     "dtype_name",
     "normalize_shape",
+    "plain_array",
     "rank_blocks_fit",
     "unstack",
 ]
@@ -146,7 +147,7 @@ def as_array(x: Any, where: str) -> np.ndarray:
     if x is None:
         raise TypeError(f"{where}: expected an array, got None")
     if isinstance(x, np.ndarray):
-        arr = x
+        arr = plain_array(x, where)
     else:
         try:
             arr = np.asarray(x)
@@ -156,6 +157,36 @@ def as_array(x: Any, where: str) -> np.ndarray:
             ) from None
     check_dtype(arr.dtype, where)
     return arr
+
+
+def plain_array(x: np.ndarray, where: str) -> np.ndarray:
+    """Return the values of an ndarray subclass as a plain ndarray (a view, no copy).
+
+    The lowering reshapes and views inputs freely, and a subclass changes what those mean:
+    ``np.matrix`` stays 2-D through ``reshape(-1)``, so the one sound reading of it is its
+    values. A masked array is refused: its values include the masked slots, which a
+    reduction would add as if they were data, and no collective here can carry the mask.
+
+    Raises:
+        TypeError: ``x`` is a masked array.
+
+    Example:
+        >>> plain_array(np.arange(4).view(np.recarray), "rank 0")  # np.matrix alike
+        array([0, 1, 2, 3])
+        >>> plain_array(np.ma.masked_array([1, 2], mask=[0, 1]), "rank 0")
+        Traceback (most recent call last):
+        ...
+        TypeError: rank 0: masked arrays are not supported: a collective would move the \
+masked slots as values; pass x.filled(value), and the mask as an array of its own
+    """
+    if type(x) is np.ndarray:
+        return x
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{where}: masked arrays are not supported: a collective would move the masked "
+            "slots as values; pass x.filled(value), and the mask as an array of its own"
+        )
+    return x.view(np.ndarray)
 
 
 def normalize_shape(shape: Any, where: str) -> tuple[int, ...]:

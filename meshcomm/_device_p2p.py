@@ -206,6 +206,8 @@ def check_out_buffer(c: Call, out: Any) -> None:
         raise InvalidArgument(f"{c.where}: out must be an array, got {type(out).__name__}")
     if not getattr(flags, "writeable", True):
         raise InvalidArgument(f"{c.where}: out is read-only")
+    if isinstance(out, np.ma.MaskedArray):  # the values would land under a stale mask
+        raise InvalidArgument(f"{c.where}: out is a masked array; pass a plain numpy array")
     check_dtype(out.dtype, c.where)
 
 

@@ -199,10 +199,13 @@ def check_out(c: Call, x: Any, out: Any) -> None:
         ...     print(str(exc).split("; ")[0])
         all_reduce: rank 0: out has shape (2,) and dtype float64
     """
-    if not isinstance(x, np.ndarray) or not isinstance(out, np.ndarray):
+    # Exactly ndarray: the runner views ``out`` flat and writes through it, which a
+    # subclass can redefine (np.matrix stays 2-D) or make a lie (a masked array's mask).
+    if type(x) is not np.ndarray or type(out) is not np.ndarray:
         raise InvalidArgument(
-            f"{c.where}: out= takes numpy arrays (x and out); got x of type "
-            f"{type(x).__name__} and out of type {type(out).__name__}"
+            f"{c.where}: out= takes plain numpy arrays (x and out); got x of type "
+            f"{type(x).__name__} and out of type {type(out).__name__}; a masked array is "
+            "not supported, any other ndarray subclass passes as np.asarray(...)"
         )
     if out.shape != x.shape or out.dtype != x.dtype:
         raise InvalidArgument(

@@ -31,7 +31,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from meshcomm._arrays import SUPPORTED_DTYPES
+from meshcomm._arrays import SUPPORTED_DTYPES, plain_array
 
 __all__ = [
     "Buffer",
@@ -238,12 +238,13 @@ def as_buffer(x: Any, name: str) -> Buffer:
         TypeError: tensor must be a numpy array, a torch tensor or a cupy array, got list
     """
     if isinstance(x, np.ndarray):
+        view = plain_array(x, name)  # np.matrix as its values; a masked array is refused
         dt = x.dtype
         if dt.kind in "biufc" and not dt.isnative:
             dt = dt.newbyteorder("=")  # values are compared and copied by value, not bytes
         if dt not in _SUPPORTED:
             raise TypeError(f"{name}: numpy dtype {x.dtype} is not supported")
-        return Buffer(x, "numpy", x.shape, dt, name, x)
+        return Buffer(x, "numpy", view.shape, dt, name, view)
     if _is_torch(x):
         return _torch_buffer(x, name)
     if _is_cupy(x):
