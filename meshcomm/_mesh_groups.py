@@ -34,6 +34,13 @@ class MeshGroups:
     def __init__(self, grid: np.ndarray, group: ProcessGroup | None) -> None:
         self.grid = grid
         self._parent = group
+        if group is not None:
+            self.check_members(group)
+        else:
+            from meshcomm import world
+
+            if world.is_initialized():  # a mesh made before init is checked at first need
+                self.check_members(world.get_world())
         self._lock = threading.RLock()
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}
         self._base: ProcessGroup | None = None
@@ -49,6 +56,22 @@ class MeshGroups:
 
             self._parent = get_world()
         return self._parent
+
+    def check_members(self, parent: ProcessGroup) -> None:
+        """Raise unless every rank of the grid is a member of ``parent`` (no I/O).
+
+        Raises:
+            InvalidArgument: naming the ranks outside, the group and its members.
+        """
+        outside = sorted({int(r) for r in self.grid.flat} - set(parent.ranks))
+        if outside:
+            ranks = list(parent.ranks)
+            members = f"ranks 0..{len(ranks) - 1}" if ranks == list(range(len(ranks))) else ranks
+            raise InvalidArgument(
+                f"rank {parent.ranks[parent.rank]}: mesh {self.grid.tolist()} holds ranks "
+                f"{outside}, which are not members of group {parent.name!r} of size "
+                f"{parent.size} (members: {members})"
+            )
 
     def my_rank(self) -> int:
         if self._rank is None:
@@ -78,14 +101,8 @@ class MeshGroups:
             if self._base_made:
                 return self._base
             parent = self.parent()
-            inside = {int(r) for r in self.grid.flat}
-            outside = sorted(inside - set(parent.ranks))
-            if outside:
-                raise InvalidArgument(
-                    f"mesh ranks {outside} are not members of group {parent.name!r} (members: "
-                    f"{list(parent.ranks)})"
-                )
-            if len(inside) == parent.size:
+            self.check_members(parent)
+            if self.grid.size == parent.size:
                 self._base = parent
             else:
                 me = self.my_rank()

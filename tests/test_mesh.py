@@ -263,16 +263,15 @@ def test_world_of_one_backend_check() -> None:
 
 
 def test_mesh_ranks_outside_the_world_are_refused() -> None:
+    made_before_init = DeviceMesh([0, 1], "x")  # no world yet: checked at first need
     world.init(world_size=1)
-    mesh = DeviceMesh([0, 1], "x")
-    with pytest.raises(InvalidArgument, match=r"mesh ranks \[1\] are not members"):
-        mesh.get_all_groups()
-    outside = DeviceMesh([[3, 4]], ("a", "b"))
-    assert outside.get_coordinate() is None
-    with pytest.raises(InvalidArgument, match="rank 0 is not in this mesh"):
-        outside["b"]
-    with pytest.raises(InvalidArgument, match="rank 0 is not in this mesh"):
-        outside.get_local_rank("a")
+    with pytest.raises(InvalidArgument, match=r"holds ranks \[1\], which are not members"):
+        made_before_init.get_all_groups()
+    # With a world (or a group) in hand the constructor checks, before anything uses it.
+    with pytest.raises(InvalidArgument, match=r"holds ranks \[1\], which are not members"):
+        DeviceMesh([0, 1], "x")
+    with pytest.raises(InvalidArgument, match=r"holds ranks \[3, 4\], which are not members"):
+        DeviceMesh([[3, 4]], ("a", "b"), group=world.get_world())
 
 
 def test_flatten_rules() -> None:
