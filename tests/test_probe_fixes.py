@@ -1,0 +1,232 @@
+"""What users and a reliability probe found (issue 33, items 7 and 8), each on tcp and mpi.
+
+The checks that run inside the ranks (``meshcomm-bench``'s oracle, ndarray subclasses into
+collectives, mesh ranks outside the world) run once per backend and world size, 2 and 4:
+tcp through :func:`meshcomm.testing.run_ranks`, mpi under a real ``mpiexec`` running this
+file as a script (``mpiexec -n 4 python tests/test_probe_fixes.py``; each rank writes its
+failures as JSON, as ``tests/test_mpi.py``'s cases do). Every check returns the list of what
+went wrong, so a test names every failure at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of the sibling tests
+from test_mpi import SKIP as MPI_SKIP
+from test_mpi import mpirun
+
+HERE = Path(__file__).resolve()
+
+BACKENDS = [
+    "tcp",
+    pytest.param(
+        "mpi", marks=[pytest.mark.mpi, pytest.mark.skipif(bool(MPI_SKIP), reason=MPI_SKIP)]
+    ),
+]
+
+
+def _matrix(values: Any) -> np.matrix:
+    import warnings
+
+    with warnings.catch_warnings():  # numpy discourages np.matrix; users still pass them
+        warnings.simplefilter("ignore", PendingDeprecationWarning)
+        return np.matrix(values)
+
+
+# == the checks (run inside the ranks) ========================================================
+def bench_oracle(group: Any) -> list[str]:
+    """meshcomm-bench's oracle: every reduce op's result counts as right, a wrong one as
+    wrong (it used to check every op against a sum)."""
+    from meshcomm.bench import _Case
+
+    failures = []
+    n = group.size
+    for dtype in (np.float32, np.float16, np.int32):
+        for redop in ("sum", "prod", "min", "max", "avg"):
+            if redop == "avg" and np.dtype(dtype).kind == "i":
+                continue  # the library refuses a mean of integers
+            for op in ("all_reduce", "reduce_scatter", "reduce"):
+                case = _Case(group, op, 16 * n, np.dtype(dtype), redop, n - 1)
+                result = case.run()
+                wrong = case.wrong(result)
+                if wrong:
+                    failures.append(f"{op} {redop} {np.dtype(dtype)}: {wrong} counted wrong")
+                if result is not None:
+                    off = np.asarray(result).copy()
+                    off.flat[0] = 2 * off.flat[0] + 1  # beyond any rounding's reach
+                    if case.wrong(off) != 1:
+                        failures.append(f"{op} {redop} {np.dtype(dtype)}: one wrong value missed")
+    return failures
+
+
+def subclasses(group: Any) -> list[str]:
+    """np.matrix passes as its values; a masked array is refused before any I/O, naming the
+    rank, and the group works on; out= takes plain arrays only."""
+    from meshcomm import ops
+    from meshcomm.errors import InvalidArgument
+    from meshcomm.mesh import DeviceMesh
+
+    failures = []
+    n, rank = group.size, group.rank
+    mesh = DeviceMesh(np.arange(n), "x", group=group)
+    m = _matrix(np.arange(4.0).reshape(1, 4))
+    for name, call in [
+        ("all_reduce", group.all_reduce),
+        ("all_reduce async", lambda x: group.all_reduce(x, async_op=True).wait()),
+        ("psum", lambda x: ops.psum(x, "x", mesh=mesh)),
+    ]:
+        got = call(m)
+        if type(got) is not np.ndarray or not np.array_equal(got, n * np.asarray(m)):
+            failures.append(f"{name}(matrix) gave {type(got).__name__} {got!r}")
+    gathered = group.all_gather(m)
+    if type(gathered) is not np.ndarray or gathered.shape != (n, 1, 4):
+        failures.append(f"all_gather(matrix) gave {type(gathered).__name__} {gathered.shape}")
+
+    for size in (4, 1 << 17):  # 2^17 once summed its masked slots silently
+        masked = np.ma.masked_array(np.ones(size), mask=np.arange(size) % 2 == 0)
+        for name, call in [
+            ("all_reduce", group.all_reduce),
+            ("all_reduce async", lambda x: group.all_reduce(x, async_op=True)),
+            ("broadcast", lambda x: group.broadcast(x, 0)),
+            ("all_gather", group.all_gather),
+            ("psum", lambda x: ops.psum(x, "x", mesh=mesh)),
+            ("send", lambda x: group.send(x, (rank + 1) % n)),
+        ]:
+            try:
+                call(masked)
+                failures.append(f"{name}(masked, {size}) was accepted")
+            except TypeError as exc:
+                if "masked arrays are not supported" not in str(exc) or f"rank {rank}" not in str(
+                    exc
+                ):
+                    failures.append(f"{name}(masked): {exc}")
+    for x, out in [(m, m), (np.ones(4), np.ma.masked_array(np.ones(4)))]:
+        try:
+            group.all_reduce(x, out=out)
+            failures.append(f"all_reduce(out={type(out).__name__}) was accepted")
+        except InvalidArgument as exc:
+            if "out= takes plain numpy arrays" not in str(exc):
+                failures.append(f"all_reduce(out={type(out).__name__}): {exc}")
+    # Nothing above reached the wire: the group works on.
+    total = group.all_reduce(np.ones(2))
+    if not np.array_equal(total, np.full(2, n)):
+        failures.append(f"the group after the refusals: {total}")
+    return failures
+
+
+def mesh_ranks(group: Any) -> list[str]:
+    """A mesh naming a rank outside the world is refused when it is made, not when used."""
+    from meshcomm.errors import InvalidArgument
+    from meshcomm.mesh import DeviceMesh
+
+    failures = []
+    n = group.size
+    grid = np.arange(n).reshape(-1, 2)
+    grid[-1, -1] = 9
+    for kwargs in ({}, {"group": group}):
+        try:
+            DeviceMesh(grid.tolist(), **kwargs)
+            failures.append(f"DeviceMesh({grid.tolist()}, {kwargs}) was accepted")
+        except InvalidArgument as exc:
+            text = str(exc)
+            if "holds ranks [9]" not in text or f"group 'world' of size {n}" not in text:
+                failures.append(f"DeviceMesh({grid.tolist()}): {text}")
+    good = DeviceMesh(np.arange(n).reshape(-1, 2), ("a", "b"))
+    if good.get_group("b").size != 2:
+        failures.append("a good mesh after the refusal has no group")
+    return failures
+
+
+CASES: dict[str, Callable[[Any], list[str]]] = {
+    "bench_oracle": bench_oracle,
+    "subclasses": subclasses,
+    "mesh_ranks": mesh_ranks,
+}
+
+
+def every_case(group: Any) -> dict[str, list[str]]:
+    """Every check on one world: its failures by name (one launch per backend and size)."""
+    out: dict[str, list[str]] = {}
+    for name, check in CASES.items():
+        try:
+            out[name] = check(group)
+        except Exception as exc:  # one check's crash must not hide the others' results
+            out[name] = [f"raised {type(exc).__name__}: {exc}"]
+    return out
+
+
+def _mpi_rank_main() -> None:
+    import meshcomm
+
+    group = meshcomm.init(backend="mpi", timeout=60)
+    try:
+        result = every_case(group)
+    finally:
+        meshcomm.shutdown()
+    out = Path(os.environ["MESHCOMM_TEST_RESULTS"]) / f"rank{group.rank}.json"
+    out.write_text(json.dumps(result))
+
+
+@functools.cache
+def _results(backend: str, nprocs: int) -> tuple[dict[str, list[str]], ...]:
+    if backend == "tcp":
+        from meshcomm.testing import run_ranks
+
+        return tuple(run_ranks(every_case, nprocs, timeout=120))
+    run = mpirun(nprocs, [], script=[str(HERE)], timeout=120)
+    assert run.rc == 0 and len(run.results) == nprocs, run.tail()
+    return tuple(run.results)
+
+
+def _failures(name: str, backend: str, nprocs: int) -> list[str]:
+    return [f"rank {r}: {f}" for r, res in enumerate(_results(backend, nprocs)) for f in res[name]]
+
+
+# == the tests ===============================================================================
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bench_checks_every_reduce_op_against_its_own_oracle(backend: str, nprocs: int) -> None:
+    failures = _failures("bench_oracle", backend, nprocs)
+    assert not failures, "\n".join(failures[:30])
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matrix_passes_as_values_and_masked_arrays_are_refused_before_io(
+    backend: str, nprocs: int
+) -> None:
+    failures = _failures("subclasses", backend, nprocs)
+    assert not failures, "\n".join(failures[:30])
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mesh_with_ranks_outside_the_world_is_refused_when_made(backend: str, nprocs: int) -> None:
+    failures = _failures("mesh_ranks", backend, nprocs)
+    assert not failures, "\n".join(failures[:30])
+
+
+def test_in_place_layer_takes_matrix_values_and_refuses_masked_arrays() -> None:
+    from meshcomm.distributed._tensors import as_buffer
+
+    m = _matrix([[1.0, 2.0]])
+    buf = as_buffer(m, "tensor")
+    assert type(buf.host) is np.ndarray and buf.shape == (1, 2)
+    buf.write(np.array([5.0, 6.0]))
+    assert m.tolist() == [[5.0, 6.0]]  # written into the caller's own memory
+    with pytest.raises(TypeError, match="tensor: masked arrays are not supported"):
+        as_buffer(np.ma.masked_array([1.0, 2.0]), "tensor")
+
+
+if __name__ == "__main__":
+    _mpi_rank_main()
