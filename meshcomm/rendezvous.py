@@ -100,6 +100,15 @@ class Rendezvous:
     store_id: str = ""
     _closed: bool = False
 
+    def stop_reconnecting(self) -> None:
+        """Leaving starts: a lost connection to the store is not re-made, so leaving never
+        waits out the timeout on a store whose host died (:meth:`Store.stop_reconnecting`).
+
+        Only a store this process opened; a store the caller passed in is left as it is.
+        """
+        if self.owns_store and self.raw_store is not None:
+            self.raw_store.stop_reconnecting()
+
     def close(self, wait: float | None = None) -> None:
         """Leave the world: mark this rank gone and close the store if this process opened it.
 
@@ -116,6 +125,7 @@ class Rendezvous:
         forget_store(self.store_id)
         if self.raw_store is None:
             return
+        self.stop_reconnecting()
         try:
             left = self.raw_store.add(f"{self.namespace}/exit", 1)
             if self.hosts_server and left < self.world_size:

@@ -162,6 +162,7 @@ class World:
             self._group, self._rendezvous = None, None
             self._was_shut_down = True
             responder, self._responder = self._responder, None
+            rdzv.stop_reconnecting()  # a store whose host died must not hold the exit up
             try:
                 if responder is not None and rdzv.store is not None:
                     responder.stop(rdzv.store)

@@ -10,10 +10,12 @@ went wrong, so a test names every failure at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -226,6 +228,86 @@ def test_in_place_layer_takes_matrix_values_and_refuses_masked_arrays() -> None:
     assert m.tolist() == [[5.0, 6.0]]  # written into the caller's own memory
     with pytest.raises(TypeError, match="tensor: masked arrays are not supported"):
         as_buffer(np.ma.masked_array([1.0, 2.0]), "tensor")
+
+
+# -- shutting down after the store's host died -------------------------------------------------
+_LEAVES = """
+import sys, time, numpy as np, meshcomm
+group = meshcomm.init(backend="tcp", timeout=10)
+group.all_reduce(np.ones(2))
+print("joined", flush=True)
+sys.stdin.readline()  # the store's process is dead when this line comes
+start = time.monotonic()
+meshcomm.shutdown()
+print(f"shutdown took {time.monotonic() - start:.3f}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_shutdown_never_waits_on_a_store_whose_host_died(tmp_path: Path, nprocs: int) -> None:
+    """The store's process (here a standalone server, as meshrun's is) is killed while the
+    ranks are joined: each rank's shutdown used to retry the store for the timeout, twice
+    (20 s at timeout=10)."""
+    import subprocess
+
+    from test_mpi import clean_env
+
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES)
+    env = clean_env({"MESHCOMM_SECRET": "probe-secret"})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "meshcomm.store", "--port", "0"],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    ranks: list[subprocess.Popen[str]] = []
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().strip().rsplit(":", 1)[1]
+        for rank in range(nprocs):
+            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(nprocs))
+            rank_env.update(MESHCOMM_MASTER_ADDR="127.0.0.1", MESHCOMM_MASTER_PORT=port)
+            rank_env["MESHCOMM_STORE_HOSTED"] = "1"
+            pipe = subprocess.PIPE
+            command = [sys.executable, str(script)]
+            ranks.append(
+                subprocess.Popen(
+                    command, stdin=pipe, stdout=pipe, stderr=pipe, text=True, env=rank_env
+                )
+            )
+        for proc in ranks:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "joined", proc.communicate(timeout=30)
+        server.kill()
+        server.wait(10)
+        outcomes = [proc.communicate("\n", timeout=60) for proc in ranks]
+    finally:
+        for proc in [server, *ranks]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for rank, (out, err) in enumerate(outcomes):
+        assert ranks[rank].returncode == 0, f"rank {rank}: {out}\n{err[-2000:]}"
+        seconds = float(out.split("shutdown took ")[1])
+        assert seconds < 3.0, f"rank {rank}: shutdown took {seconds:.1f} s at timeout=10"
+
+
+def test_a_leaving_store_client_does_not_reconnect() -> None:
+    from meshcomm.errors import StoreError
+    from meshcomm.store import StoreServer, TCPStore
+
+    server = StoreServer("127.0.0.1", 0)
+    server.start()
+    client = TCPStore("127.0.0.1", server.port, timeout=30)
+    client.set("k", b"v")
+    server.close()
+    client.stop_reconnecting()
+    start = time.monotonic()
+    with contextlib.suppress(StoreError):
+        client.get("k")  # may be the call that finds the connection closed
+    with pytest.raises(StoreError, match="this client is leaving: not reconnecting"):
+        client.get("k")
+    assert time.monotonic() - start < 2.0
+    client.close()
 
 
 if __name__ == "__main__":

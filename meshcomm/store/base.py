@@ -227,6 +227,13 @@ class Store(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections and files this store holds. Idempotent."""
 
+    def stop_reconnecting(self) -> None:  # noqa: B027 - optional hook, as close
+        """Make a lost connection final: later calls fail at once instead of reconnecting.
+
+        A rank leaving its world calls this first, so that leaving never waits out the
+        timeout on a store whose host is gone. Stores without a connection ignore it.
+        """
+
     def __enter__(self) -> Store:
         return self
 

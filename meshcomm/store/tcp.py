@@ -50,6 +50,10 @@ _RECV_BYTES = 64 * 1024
 _MAX_SOCKET_TIMEOUT = 365 * 24 * 3600.0
 _BACKOFF_FIRST = 0.01
 _BACKOFF_MAX = 0.5
+#: Seconds a leaving client (:meth:`TCPStore.stop_reconnecting`) spends on its one attempt to
+#: re-make a lost connection: a live store answers well within it, a dead host's port refuses
+#: at once, and an unreachable host costs this much, not the timeout.
+_FINAL_CONNECT = 1.0
 
 
 class TCPStore(Store):
@@ -121,6 +125,7 @@ class TCPStore(Store):
         self._sock_timeout: float | None = None
         self._rid = 0
         self._closed = False
+        self._final = False  # stop_reconnecting(): a lost connection stays lost
         self._server: StoreServer | None = None
         started = time.monotonic()
         if is_master:
@@ -259,6 +264,18 @@ class TCPStore(Store):
         """
         self._expect_ok(self._call(wire.OP_PING, b"", None, ()), wire.OP_PING)
 
+    def stop_reconnecting(self) -> None:
+        """Make a lost connection final: a call that finds it lost makes one connection
+        attempt of at most :data:`_FINAL_CONNECT` seconds, without retries, then fails.
+
+        Example:
+            >>> store = TCPStore("127.0.0.1", 0, is_master=True, timeout=5)
+            >>> store.stop_reconnecting(); store.add("left", 1)  # connected: as before
+            1
+            >>> store.close()
+        """
+        self._final = True
+
     def close(self) -> None:
         """Close the connection; on the master, also stop the server. Idempotent."""
         self._closed = True
@@ -279,15 +296,25 @@ class TCPStore(Store):
     # --- connection ------------------------------------------------------------------------
 
     def _connect(self, register: bool) -> socket.socket:
-        """Connect and handshake, retrying with backoff until the timeout (lock held)."""
-        deadline = time.monotonic() + self._timeout
+        """Connect and handshake, retrying with backoff until the timeout (lock held); once
+        :meth:`stop_reconnecting` was called, one short attempt."""
+        final = self._final
+        deadline = time.monotonic() + (
+            min(self._timeout, _FINAL_CONNECT) if final else self._timeout
+        )
         delay = _BACKOFF_FIRST
         last: str = "no attempt finished"
+        failed = 0
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or self._closed:
+            if left <= 0 or self._closed or (final and failed):
                 if self._closed:
                     raise StoreError(f"TCPStore to {self._address} is closed")
+                if final:
+                    raise StoreError(
+                        f"the connection to the store at {self._address} was lost and this "
+                        f"client is leaving: not reconnecting (last error: {last})"
+                    )
                 raise StoreTimeout(
                     f"could not connect to the store at {self._address} within "
                     f"{self._timeout:g} s (last error: {last})"
@@ -301,7 +328,7 @@ class TCPStore(Store):
                     f"cannot resolve the store host of {self._address}: {exc}"
                 ) from exc
             except OSError as exc:
-                last = str(exc)
+                last, failed = str(exc), failed + 1
                 time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
                 delay = min(delay * 2, _BACKOFF_MAX)
                 continue
@@ -309,7 +336,7 @@ class TCPStore(Store):
                 self._handshake(sock, register, deadline)
             except _Retry as exc:
                 sock.close()
-                last = str(exc)
+                last, failed = str(exc), failed + 1
                 time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
                 delay = min(delay * 2, _BACKOFF_MAX)
                 continue
