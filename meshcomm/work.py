@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from meshcomm import _dynamo_skip
 from meshcomm._arrays import ResultPool, ScratchPool
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.errors import CommError, CommTimeout
@@ -35,6 +36,10 @@ from meshcomm.errors import CommError, CommTimeout
 __all__ = ["ProgressEngine", "Work"]
 
 T = TypeVar("T")
+
+# torch.compile must break the graph at a call into a group rather than trace into it, or a
+# failure of its tracing would surface mid-collective and fail the group (see the module).
+_dynamo_skip.arm()
 
 
 class Work(Generic[T]):
