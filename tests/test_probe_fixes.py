@@ -310,5 +310,46 @@ def test_a_leaving_store_client_does_not_reconnect() -> None:
     client.close()
 
 
+# -- what a REJECT tells a stranger ------------------------------------------------------------
+def _answer_to(address: str, hello: bytes) -> Any:
+    import socket
+
+    from meshcomm.backends.tcp import wire
+
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(hello)
+        decoder = wire.Decoder()
+        while (event := decoder.next_event()) is wire.NEED_DATA:
+            data = sock.recv(4096)
+            assert data, "the rank closed without answering"
+            decoder.receive_data(data)
+    return event
+
+
+@pytest.mark.parametrize("secret", [None, "probe-secret"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_reject_tells_a_stranger_only_that_its_token_differs(
+    size: int, secret: str | None
+) -> None:
+    from meshcomm.backends.tcp import wire
+    from meshcomm.backends.tcp.transport import TOKEN_KEY, Transport
+    from meshcomm.store import HashStore
+
+    store = HashStore(timeout=10)
+    transport = Transport.start(0, size, store, 10.0, secret=secret)
+    try:
+        token = bytes(store.get(TOKEN_KEY))
+        stranger = bytes(range(wire.TOKEN_SIZE))
+        hello = wire.encode_hello(wire.HELLO, rank=1, world_size=size, token=stranger)
+        answer = _answer_to(transport.address, hello)
+    finally:
+        transport.close()
+    assert answer.kind == wire.REJECT, answer
+    assert answer.token == wire.NO_TOKEN, "a REJECT carried the job's token"
+    assert token.hex() not in answer.reason, answer.reason
+    assert "its job token differs from this job's" in answer.reason, answer.reason
+
+
 if __name__ == "__main__":
     _mpi_rank_main()

@@ -239,7 +239,7 @@ def test_reject_carries_reason() -> None:
 def test_check_hello_names_what_differs() -> None:
     hello = wire.Hello(wire.HELLO, wire.VERSION, rank=1, world_size=4, token=TOKEN)
     wire.check_hello(hello, kinds=[wire.HELLO], token=TOKEN, world_size=4, peer="p")
-    with pytest.raises(ProtocolError, match=r"job token .* differs"):
+    with pytest.raises(ProtocolError, match=r"its job token differs from this job.s \(a process"):
         wire.check_hello(hello, kinds=[wire.HELLO], token=bytes(16), world_size=4, peer="p")
     with pytest.raises(ProtocolError, match="world size 4 differs from this job's 8"):
         wire.check_hello(hello, kinds=[wire.HELLO], token=TOKEN, world_size=8, peer="p")

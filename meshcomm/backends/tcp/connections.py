@@ -430,7 +430,7 @@ class Connections:
         self.rejected.append(reason)
         del self.rejected[:-16]
         answer = wire.encode_hello(
-            wire.REJECT, rank=self.rank, world_size=self.size, token=self._token, reason=reason
+            wire.REJECT, rank=self.rank, world_size=self.size, token=wire.NO_TOKEN, reason=reason
         )
         with contextlib.suppress(OSError):
             ch.sock.send(answer)

@@ -372,7 +372,7 @@ class LinkListener:
     def _refuse(self, sel: selectors.BaseSelector, conn: _Screening, reason: str) -> None:
         self._note(reason)
         answer = wire.encode_hello(
-            wire.REJECT, rank=self._rank, world_size=self._size, token=self._token, reason=reason
+            wire.REJECT, rank=self._rank, world_size=self._size, token=wire.NO_TOKEN, reason=reason
         )
         with contextlib.suppress(OSError):
             conn.sock.send(answer)

@@ -82,6 +82,7 @@ __all__ = [
     "MAX_REASON",
     "NONCE_SIZE",
     "NEED_DATA",
+    "NO_TOKEN",
     "PAYLOAD_DONE",
     "RTS",
     "SHM",
@@ -109,6 +110,9 @@ MAGIC = b"MCTP"
 # 2: F_AUTH and AUTH (link authentication); a version-1 peer is refused by its version.
 VERSION = 2
 TOKEN_SIZE = 16
+#: The token field of every REJECT: a refusal, often to a stranger, tells nothing of the job
+#: (the connector reads a REJECT's reason, never its token).
+NO_TOKEN = bytes(TOKEN_SIZE)
 #: Bytes of a handshake nonce and of a handshake proof (HMAC-SHA256).
 NONCE_SIZE = 32
 #: Bytes of an AUTH message's auth block: nonce, then proof.
@@ -520,9 +524,10 @@ def check_hello(
         got = _HANDSHAKE_KINDS.get(hello.kind, str(hello.kind))
         raise ProtocolError(f"handshake from {peer}: expected {wanted}, got {got}")
     if hello.token != token:
+        # Only that it differs: this text goes back to the stranger in a REJECT.
         raise ProtocolError(
-            f"handshake from {peer}: job token {hello.token.hex()} differs from this job's "
-            f"{token.hex()} (a process of another or an earlier job)"
+            f"handshake from {peer}: its job token differs from this job's (a process of "
+            "another or an earlier job)"
         )
     if hello.world_size != world_size:
         raise ProtocolError(
