@@ -135,11 +135,16 @@ def as_array(x: Any, where: str) -> np.ndarray:
     may have any strides and byte order; :func:`copy_into` normalizes both.
 
     Raises:
-        TypeError: unsupported dtype, or ``x`` is None.
+        TypeError: unsupported dtype, ``x`` is None, or ``x`` holds no values to read here
+            (a tensor of torch's tracing: fake, functional, meta; any other object).
 
     Example:
         >>> as_array([1, 2], "rank 0").dtype
         dtype('int64')
+        >>> as_array(object(), "rank 0")
+        Traceback (most recent call last):
+        ...
+        TypeError: rank 0: expected an array, got object
     """
     if type(x) is np.ndarray:  # the hot path: skip isinstance and the asarray call
         check_dtype(x.dtype, where)
@@ -151,12 +156,32 @@ def as_array(x: Any, where: str) -> np.ndarray:
     else:
         try:
             arr = np.asarray(x)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"{where}: cannot make an array from {type(x).__name__}: {exc}"
-            ) from None
+        except Exception as exc:  # torch's fake tensors raise RuntimeError, for one
+            raise TypeError(_no_values(x, where, exc)) from None
+        if arr.dtype == object and arr.ndim == 0:  # no array-like: wrapped as it is
+            raise TypeError(f"{where}: expected an array, got {type(x).__name__}")
     check_dtype(arr.dtype, where)
     return arr
+
+
+def _no_values(x: Any, where: str, exc: Exception) -> str:
+    """Why ``x``, which ``np.asarray`` refused with ``exc``, cannot be a collective's input."""
+    kind = type(x)
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and isinstance(x, torch.Tensor)
+        and (kind is not torch.Tensor or x.device.type == "meta")
+    ):
+        # FakeTensor, FunctionalTensor, meta tensors: shapes without values, made while
+        # torch traces; the collective must run on the real tensor, eagerly.
+        return (
+            f"{where}: a {kind.__name__} holds no values meshcomm can read (a tensor of "
+            "torch's tracing: fake, functional or meta); call the collective on a real "
+            "tensor, outside the trace (torch.compile breaks the graph at meshcomm's "
+            f"calls), or use meshcomm.ops; numpy said: {exc}"
+        )
+    return f"{where}: cannot make an array from {kind.__name__}: {exc}"
 
 
 def plain_array(x: np.ndarray, where: str) -> np.ndarray:

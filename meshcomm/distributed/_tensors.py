@@ -213,7 +213,14 @@ def _torch_buffer(t: Any, name: str) -> Buffer:
                 f"{name} is a lazy conjugate/negative view; call .resolve_conj() / "
                 ".resolve_neg() first"
             )
-        view = base.view(torch.int16).numpy().view(_BF16) if dt == _BF16 else base.numpy()
+        try:
+            view = base.view(torch.int16).numpy().view(_BF16) if dt == _BF16 else base.numpy()
+        except RuntimeError as exc:  # a FakeTensor or FunctionalTensor: no values to read
+            raise TypeError(
+                f"{name}: a {type(t).__name__} holds no values to communicate (a tensor of "
+                "torch's tracing); call the collective on a real tensor, outside the trace "
+                f"(torch.compile breaks the graph at meshcomm's calls): {exc}"
+            ) from None
         return Buffer(t, "torch", shape, dt, name, view)
     if t.is_cuda:
         return Buffer(t, "torch-cuda", shape, dt, name, None)
