@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from meshcomm._backend_spec import canonical, gpu_per_local_rank, parse_backend
+from meshcomm._mpi_store import mpi_rendezvous
 from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS, create_world_communicator
 from meshcomm.backends.base import Communicator
 from meshcomm.errors import CommError, InvalidArgument, RendezvousError
 from meshcomm.launch import started_by_mpi
 from meshcomm.reduction import ReduceOp
-from meshcomm.rendezvous import Rendezvous, rendezvous, storeless_rendezvous
+from meshcomm.rendezvous import Rendezvous, rendezvous
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -117,8 +118,9 @@ class World:
             generation = self._generation
             self._generation += 1
             if name == "mpi" and store is None and init_method in (None, "env://"):
-                # The world is MPI_COMM_WORLD: MPI itself brought the ranks together.
-                rdzv = storeless_rendezvous(world_size, rank, seconds, env=env)
+                # The world is MPI_COMM_WORLD: MPI itself brought the ranks together; rank 0
+                # serves a store beside it, for the hang verdicts (meshcomm._mpi_store).
+                rdzv = mpi_rendezvous(world_size, rank, seconds, env, generation)
             else:
                 rdzv = rendezvous(
                     init_method, world_size, rank, seconds, store, env=env, generation=generation
@@ -394,8 +396,9 @@ def init(
             installed (see :func:`choose_backend`), else "tcp", paired with "nccl" for
             device arrays where cupy sees a GPU for every rank of this host
             (:func:`meshcomm._backend_spec.gpu_per_local_rank`); a world of one on tcp runs
-            on "self". The mpi backend's world is ``MPI_COMM_WORLD`` and has no store
-            (``group.store`` is None) unless ``init_method`` or ``store`` names one.
+            on "self". The mpi backend's world is ``MPI_COMM_WORLD``; without
+            ``init_method`` or ``store``, rank 0 serves its store (for hang verdicts) and
+            MPI carries the address and a fresh secret (:mod:`meshcomm._mpi_store`).
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
         world_size: number of processes (default: from the environment).
         rank: this process's rank (default: from the environment).
