@@ -210,15 +210,23 @@ def _tcp_store(
 
     if host.lower() in _LOOPBACK_NAMES and host != "::1":
         host = "127.0.0.1"
+    start = time.monotonic()
     try:
         return TCPStore(
             host, port, world_size, is_master=is_master, timeout=seconds, wait_for_workers=False
         )
     except (StoreError, OSError) as exc:
         if not is_master:
+            if isinstance(exc, StoreTimeout):
+                raise RendezvousError(
+                    f"rank {rank} could not reach the store at {host}:{port} within "
+                    f"{seconds:g} s: {exc} (is rank 0 running, and the address right?)"
+                ) from exc
+            # Reached, and refused at once (an impostor, another job's secret, not a store):
+            # the timeout has nothing to do with it.
             raise RendezvousError(
-                f"rank {rank} could not reach the store at {host}:{port} within {seconds:g} s: "
-                f"{exc} (is rank 0 running, and the address right?)"
+                f"rank {rank} cannot use the store at {host}:{port} (it answered, after "
+                f"{time.monotonic() - start:.1f} s): {exc}"
             ) from exc
         failure = RendezvousError(
             f"rank 0 could not start the store server on {host}:{port}: {exc} (is another "

@@ -351,5 +351,39 @@ def test_a_reject_tells_a_stranger_only_that_its_token_differs(
     assert "its job token differs from this job's" in answer.reason, answer.reason
 
 
+# -- an impostor store ------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_rank_refusing_an_impostor_store_says_why_not_that_it_timed_out(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from meshcomm.errors import RendezvousError
+    from meshcomm.rendezvous import rendezvous
+    from meshcomm.store import StoreServer
+
+    monkeypatch.setenv("MESHCOMM_SECRET", "the-job")
+
+    def env(port: int, rank: int) -> dict[str, str]:
+        return {"RANK": str(rank), "WORLD_SIZE": str(size), "MESHCOMM_STORE_HOSTED": "1",
+                "MESHCOMM_MASTER_ADDR": "127.0.0.1", "MESHCOMM_MASTER_PORT": str(port)}  # fmt: skip
+
+    with StoreServer("127.0.0.1", 0, secret="an-impostor") as server:
+        start = time.monotonic()
+        with pytest.raises(RendezvousError) as refused:
+            rendezvous(env=env(server.port, size - 1), timeout=8)
+        assert time.monotonic() - start < 3.0
+    text = str(refused.value)
+    assert f"rank {size - 1} cannot use the store at 127.0.0.1:{server.port}" in text, text
+    assert "could not prove it knows this job's secret" in text, text
+    assert "within 8 s" not in text, text
+    # A store that never answers still says how long this rank waited.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(RendezvousError, match=r"could not reach the store at .* within 0.5 s"):
+        rendezvous(env=env(port, 1), timeout=0.5)
+
+
 if __name__ == "__main__":
     _mpi_rank_main()
