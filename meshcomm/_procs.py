@@ -25,6 +25,7 @@ from meshcomm.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_GRACE_PERIOD",
+    "LAUNCHER_ENV",
     "SHADOWING_VARIABLES",
     "describe_exit",
     "exit_status",
@@ -34,6 +35,9 @@ __all__ = [
     "signal_name",
     "supervised_command",
 ]
+
+#: Names the launcher that started a rank with torchrun's variables (see rank_environment).
+LAUNCHER_ENV = "MESHCOMM_LAUNCHER"
 
 #: Seconds a process gets between SIGTERM and SIGKILL when its job is stopped.
 DEFAULT_GRACE_PERIOD = 5.0
@@ -67,11 +71,14 @@ def rank_environment(
     group_rank: int = 0,
     group_world_size: int = 1,
     run_id: str = "none",
+    launcher: str = "meshrun",
 ) -> dict[str, str]:
     """Return the torchrun variables of one rank whose launcher hosts the store.
 
     ``MESHCOMM_STORE_HOSTED=1`` tells ``meshcomm.init()`` that rank 0 must connect to the
     store at ``MASTER_ADDR:MASTER_PORT`` as a client instead of starting a server there.
+    ``MESHCOMM_LAUNCHER`` names the launcher (``meshrun``, ``meshcomm.spawn``): torchrun's
+    variables alone would make ``meshcomm-info`` say torchrun.
 
     Example:
         >>> env = rank_environment(rank=1, world_size=2, local_rank=1, local_world_size=2,
@@ -95,6 +102,7 @@ def rank_environment(
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "MESHCOMM_STORE_HOSTED": "1",
+        LAUNCHER_ENV: launcher,
     }
 
 

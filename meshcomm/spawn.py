@@ -364,6 +364,7 @@ def spawn(
                 local_world_size=nprocs,
                 master_addr="127.0.0.1",
                 master_port=torch_port.port,
+                launcher="meshcomm.spawn",
             )
             env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
             # meshcomm finds the store through its own variables, which win over

@@ -67,6 +67,32 @@ def test_info_prints_no_warnings() -> None:
     assert "backends" in json.loads(out.stdout)
 
 
+def test_python_m_meshcomm_info_prints_no_warnings() -> None:
+    # ``import meshcomm`` imports meshcomm.info; runpy warned when it then ran it as __main__.
+    out = _run(sys.executable, "-m", "meshcomm.info")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "launcher: none (a world of one)" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not (BIN / "meshrun").exists(), reason="meshrun not installed")
+def test_info_names_meshrun_and_spawn_not_torchrun() -> None:
+    out = _run(str(BIN / "meshrun"), "--nproc-per-node", "2", "-m", "meshcomm.info")
+    assert out.returncode == 0, out.stderr
+    assert "RuntimeWarning" not in out.stdout + out.stderr, out.stdout + out.stderr
+    for rank in range(2):
+        assert f"[rank{rank}] launcher: meshrun, rank {rank} of 2" in out.stdout, out.stdout
+    from meshcomm.testing import run_ranks
+
+    names = run_ranks(_launcher_name, 2, timeout=60)
+    assert names == ["meshcomm.spawn"] * 2, names
+
+
+def _launcher_name(group: object) -> str:
+    from meshcomm.info import info
+
+    return str(info(verbose=False, query_mpi=False)["launcher"]["launcher"])
+
+
 @pytest.mark.skipif(not (BIN / "meshrun").exists(), reason="meshrun not installed")
 def test_benches_that_read_a_groups_internals_still_run() -> None:
     """bench/ scripts reach into private state to switch checks off; a refactor that moves it

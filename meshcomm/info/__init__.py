@@ -64,14 +64,19 @@ def _has(module: str) -> bool:
 
 
 def _launcher() -> dict[str, Any]:
+    from meshcomm._procs import LAUNCHER_ENV
     from meshcomm.launch import detect_launch
 
     try:
         launch = detect_launch(os.environ)
     except Exception as exc:
         return {"launcher": None, "error": str(exc)}
+    name = launch.launcher
+    named = os.environ.get(LAUNCHER_ENV)
+    if name == "torchrun" and named and launch.store_host == "launcher":
+        name = named  # meshrun and meshcomm.spawn set torchrun's variables too
     return {
-        "launcher": launch.launcher,
+        "launcher": name,
         "rank": launch.rank,
         "world_size": launch.world_size,
         "local_rank": launch.local_rank,
@@ -228,7 +233,8 @@ def info(*, verbose: bool = True, query_mpi: bool | None = None) -> dict[str, An
 
     Example:
         >>> info(verbose=False, query_mpi=False)["launcher"]["launcher"] in (
-        ...     "single", "meshcomm", "torchrun", "openmpi", "mpich", "slurm")
+        ...     "single", "meshcomm", "meshrun", "meshcomm.spawn", "torchrun", "openmpi",
+        ...     "mpich", "slurm")
         True
     """
     import numpy as np
@@ -347,7 +353,3 @@ def _main(argv: list[str]) -> int:
         return 2
     info()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
