@@ -28,7 +28,7 @@ import numpy as np
 from meshcomm import _fingerprint, _ledger, _report, _responder, _verdict
 from meshcomm import trace as _trace
 from meshcomm.backends.base import Communicator
-from meshcomm.errors import CommError, CommTimeout, MismatchError
+from meshcomm.errors import CommError, CommTimeout, MismatchError, MismatchTimeout
 
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
@@ -104,6 +104,7 @@ def judged(
     if group.store is None or group.size == 1:
         return exc
     name, site = (op, _verdict.call_site()) if entry is None else _ledger.named(entry)
+    args = None if entry is None else _ledger.arguments(entry)
     text = _verdict.report(
         group.store,
         group.name,
@@ -114,7 +115,11 @@ def judged(
         site,
         _verdict.grace_seconds(group.timeout),
         group.label,
+        args,
     )
+    if _verdict.is_mismatch(text):  # the ranks were in different calls: not a hang
+        _report.timed_out(text)
+        return MismatchTimeout(f"{text}\n  (timed out: {exc})")
     _report.timed_out(f"{exc}\n  verdict: {text}" if text else str(exc))
     return CommTimeout(f"{exc}\n  verdict: {text}") if text else exc
 

@@ -36,7 +36,10 @@ from meshcomm import _responder
 from meshcomm.errors import MeshCommError
 from meshcomm.store.base import Store
 
-__all__ = ["call_site", "grace_seconds", "report"]
+__all__ = ["DISAGREE", "call_site", "grace_seconds", "is_mismatch", "report"]
+
+#: How a verdict that found the ranks in different calls begins.
+DISAGREE = "ranks disagree on the collective"
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PREFIX = "meshcomm/verdict/"
@@ -63,6 +66,31 @@ def grace_seconds(timeout: float) -> float:
     """How long a timed-out rank waits for the others' reports: a tenth of the timeout,
     between 0.2 and 2 s (ranks time out within about that much of each other)."""
     return min(2.0, max(0.2, timeout / 10))
+
+
+def is_mismatch(text: str) -> bool:
+    """Whether a verdict of :func:`report` found a mismatch rather than a hang.
+
+    Example:
+        >>> is_mismatch("ranks disagree on the collective on group 'world': ..."), is_mismatch("")
+        (True, False)
+    """
+    return text.startswith(DISAGREE)
+
+
+def _disagreement(waiting: dict[int, dict[str, Any]], seq: int, label: str) -> str:
+    """The words of a mismatch among the ranks found in call ``seq``; "" if they agree
+    (or their arguments are not known)."""
+    calls: dict[tuple[str, str], list[int]] = {}
+    for rank, w in sorted(waiting.items()):
+        if not isinstance(w.get("args"), str) or w.get("seq") != seq:
+            continue
+        call = f"{str(w.get('op', '?'))[:200]}({w['args'][:200]})"
+        calls.setdefault((call, str(w.get("site", "?"))[:200]), []).append(rank)
+    if len({call for call, _ in calls}) < 2:
+        return ""
+    parts = [f"{_ranks(r)} called {c} at {site} (op #{seq})" for (c, site), r in calls.items()]
+    return f"{DISAGREE} {label} (found when it timed out): {'; '.join(parts)}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -123,8 +151,14 @@ def report(
     site: str,
     grace: float,
     label: str | None = None,
+    args: str | None = None,
 ) -> str:
     """Publish this rank's wait, ask the others where they are, and describe who is behind.
+
+    Ranks found in the same call number with different arguments (``psum(int32[4], sum)``
+    against ``psum(float32[4], sum)``: on mpi, a signature one rank has checked before
+    against one another rank has not) are a mismatch, not a hang: the words then start with
+    :data:`DISAGREE` and name every call (:func:`is_mismatch`).
 
     Args:
         store: the job's store.
@@ -136,20 +170,23 @@ def report(
         site: where the user called it (:func:`call_site`).
         grace: seconds to wait for the other members' reports and answers.
         label: how to name the group (``"over 'tp'"``); default ``"on group '<group>'"``.
+        args: the call's arguments in words (``float32[4], sum``,
+            :func:`meshcomm._ledger.arguments`); None: not compared.
 
     Returns:
         One or more sentences for the error message ("" when the store cannot be used).
     """
     label = label or f"on group {group!r}"
     base = f"{_PREFIX}{group}/"
-    mine = json.dumps({"op": op, "seq": seq, "site": site}).encode()
+    me_waiting: dict[str, Any] = {"op": op, "seq": seq, "site": site, "args": args}
+    mine = json.dumps(me_waiting).encode()
     try:
         store.set(f"{base}{seq}/{me}", mine)
         asked = {r: _responder.ask(store, r) for r in members if r != me}
     except (MeshCommError, OSError):
         return ""
     deadline = time.monotonic() + grace
-    waiting: dict[int, dict[str, Any]] = {me: {"op": op, "seq": seq, "site": site}}
+    waiting: dict[int, dict[str, Any]] = {me: me_waiting}
     heads: dict[int, dict[str, Any]] = {}
     while True:
         for rank in members:
@@ -164,12 +201,16 @@ def report(
                 continue
             flight = next((g["now"] for g in head["groups"] if g["name"] == group), None)
             if flight is not None and flight["seq"] == seq:
-                waiting[rank] = {"op": op, "seq": seq, "site": flight["site"]}  # it waits too
+                # It waits too, maybe in another call of that number (a mismatch).
+                waiting[rank] = {**flight, "op": flight["name"]}
             else:
                 heads[rank] = head
         if len(waiting) + len(heads) == len(members) or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
+    disagreement = _disagreement(waiting, seq, label)
+    if disagreement:
+        return disagreement
     here = sorted(waiting)
     sites = sorted({str(w.get("site", "?"))[:200] for w in waiting.values()})
     where = ", ".join(sites)

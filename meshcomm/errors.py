@@ -43,6 +43,7 @@ __all__ = [
     "LinkAuthError",
     "MeshCommError",
     "MismatchError",
+    "MismatchTimeout",
     "PeerError",
     "ProcessExitedException",
     "ProcessRaisedException",
@@ -110,6 +111,13 @@ class MismatchError(CommError):
         super().__init__(message)
         self.peer = peer
         self.theirs = theirs
+
+
+class MismatchTimeout(MismatchError, CommTimeout):
+    """A mismatch found when a collective timed out: the hang verdict found the ranks in
+    the same call with different arguments (on mpi, a call whose signature one rank had
+    checked before and another had not). A :class:`MismatchError` naming every call, and a
+    :class:`CommTimeout` too, because it ended a wait that timed out."""
 
 
 class ProtocolError(CommError):
