@@ -42,6 +42,7 @@ from meshcomm.rendezvous import Rendezvous, rendezvous
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from meshcomm._hang_warn import HangWarning
     from meshcomm._responder import Responder
     from meshcomm.group import ProcessGroup
     from meshcomm.store.base import Store
@@ -89,6 +90,7 @@ class World:
         self._rendezvous: Rendezvous | None = None
         self._was_shut_down = False
         self._responder: Responder | None = None
+        self._hang_warning: HangWarning | None = None
         # Keys of each world live under its generation, so a store reused by a later init
         # (every rank makes the same sequence of worlds) never shows stale claims.
         self._generation = 0
@@ -107,6 +109,9 @@ class World:
         """Join the world; see :func:`meshcomm.world.init`."""
         env = os.environ if env is None else env
         name = choose_backend(backend, init_method, store, env)
+        from meshcomm import _hang_warn
+
+        hang_warn_after = _hang_warn.warn_after(env)  # a bad value fails before any I/O
         seconds = to_seconds(timeout)
         with self._lock:
             if self._group is not None:
@@ -149,6 +154,8 @@ class World:
             if rdzv.store is not None and group.size > 1:
                 # Where this rank is, for the hang verdicts of the others (a daemon thread).
                 self._responder = _responder.Responder.start(group, rdzv.store, rdzv.rank)
+            # MESHCOMM_HANG_WARN: a collective still waiting says so long before the timeout.
+            self._hang_warning = _hang_warn.HangWarning.start(group, rdzv.store, hang_warn_after)
             return group
 
     def shutdown(self) -> None:
@@ -164,6 +171,9 @@ class World:
             self._group, self._rendezvous = None, None
             self._was_shut_down = True
             responder, self._responder = self._responder, None
+            if self._hang_warning is not None:
+                self._hang_warning.stop()
+                self._hang_warning = None
             rdzv.stop_reconnecting()  # a store whose host died must not hold the exit up
             try:
                 if responder is not None and rdzv.store is not None:
