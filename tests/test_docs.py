@@ -376,11 +376,7 @@ def broken_links(page: Path) -> list[str]:
 
 #: Known drift in pages this test's author could not edit (issue 33), each fixed by its
 #: page's owner; an entry that is no longer true fails the test, so the list only shrinks.
-PENDING = {
-    "docs/autograd.md: benchmarks.md#torchcompile-compiled-ops-against-eager: no heading "
-    "#torchcompile-compiled-ops-against-eager",
-    "docs/autograd.md: as the NCCL backend will need",
-}
+PENDING: set[str] = set()
 
 
 def test_every_relative_link_and_anchor_resolves() -> None:
