@@ -1,0 +1,191 @@
+"""Hang verdicts and the early hang warning in mpi worlds (issue 33 items 2 and 6), and the
+warning on tcp, at worlds 2 and 4.
+
+MPI worlds get a store from rank 0 (``meshcomm._mpi_store``), so a timeout names the rank
+that is behind and where, under a bare ``mpiexec`` and under ``meshrun --backend mpi``; ranks
+in the same call with different arguments raise ``MismatchError`` naming both calls when the
+timeout fires; and a collective still waiting after ``MESHCOMM_HANG_WARN`` seconds prints
+the verdict so far, once per job, before it fails. Each scenario is one launch of the job
+below (an MPI world that timed out cannot be used again).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_mpi import REPO, clean_env, mpirun
+from test_mpi import SKIP as MPI_SKIP
+
+# Every rank catches its error and prints it to stderr as one line ("rank R: Type: text"),
+# so the job exits 0 and meshrun's run_mpi does not abort the others mid-verdict.
+_JOB = """
+import sys, time, numpy as np, meshcomm
+from meshcomm import ops
+from meshcomm.errors import CommError
+
+how = sys.argv[1]
+world = meshcomm.init()
+mesh = meshcomm.init_device_mesh((world.size,), mesh_dim_names=("dp",))
+x = np.ones(4, np.float32)
+ops.psum(x, "dp", mesh=mesh)  # op #1: float32[4] is checked once on mpi, then known
+last = world.rank == world.size - 1
+try:
+    if how == "sleep" and last:
+        time.sleep(float(sys.argv[2]))
+        text = "slept"
+    else:
+        if how == "mismatch" and last:
+            x = x.astype(np.int32)  # new to this rank: mpi checks it, the others do not
+        ops.psum(x, "dp", mesh=mesh)  # THE CALL
+        text = "no error"
+except CommError as exc:
+    text = f"{type(exc).__name__}: {exc}"
+print(f"rank {world.rank}: " + text.replace(chr(10), " | "), file=sys.stderr, flush=True)
+time.sleep(1.0)  # rank 0's store outlives the others' verdicts
+meshcomm.shutdown()
+"""
+
+_SLEEP_ENV = {"MESHCOMM_TIMEOUT": "6", "MESHCOMM_HANG_WARN": "2"}
+_MISMATCH_ENV = {"MESHCOMM_TIMEOUT": "2", "MESHCOMM_HANG_WARN": "0"}
+_WARNING = "meshcomm: warning: rank "
+
+
+def _job(tmp_path: Path) -> Path:
+    path = tmp_path / "job.py"
+    path.write_text(_JOB)
+    return path
+
+
+def _errors(err: str, size: int) -> dict[int, str]:
+    """Each rank's line ``rank R: ...`` from stderr (meshrun's ``[rankN] `` label dropped)."""
+    lines: dict[int, str] = {}
+    for line in err.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[rank") else line
+        for r in range(size):
+            if body.startswith(f"rank {r}: "):
+                lines[r] = body
+    return lines
+
+
+def _meshrun(
+    tmp_path: Path, backend: str, size: int, args: list[str], env: dict[str, str]
+) -> tuple[int, str, str]:
+    command = [sys.executable, "-m", "meshcomm.run", "--backend", backend, "--nproc-per-node",
+               str(size), str(_job(tmp_path)), *args]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(env), cwd=str(REPO), start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"meshrun ran past 90 s:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def _check_sleep(err: str, size: int, where: str) -> None:
+    """Every waiting rank names the sleeper; the warning came once, before the errors."""
+    lines = _errors(err, size)
+    sleeper = size - 1
+    assert lines.get(sleeper) == f"rank {sleeper}: slept", err[-3000:]
+    for r in range(sleeper):
+        line = lines.get(r, "")
+        assert line.startswith(f"rank {r}: CommTimeout"), err[-3000:]
+        assert f"verdict: rank {sleeper} has not entered psum #2" in line, line
+        assert "alive but has not called a collective for" in line, line
+        assert "at job.py:14 in <module>" in line, line  # the sleeper's line: time.sleep
+    assert err.count(_WARNING) == 1, f"{where}: one warning per job\n{err[-3000:]}"
+    warning = err.index(_WARNING)
+    assert warning < min(err.index(f"rank {r}: CommTimeout") for r in range(sleeper)), err
+    text = err[warning : err.index("\n", err.index("so far:", warning))]
+    assert "has waited 2 s in psum #2" in text and "fails after 6 s (MESHCOMM_TIMEOUT" in text
+    assert f"so far: rank {sleeper} has not entered psum #2" in text, text
+
+
+def _check_mismatch(err: str, size: int) -> None:
+    """Every rank raises MismatchError (MismatchTimeout) naming both calls."""
+    lines = _errors(err, size)
+    last = size - 1
+    others = "rank 0" if size == 2 else "ranks " + ", ".join(map(str, range(last)))
+    for r in range(size):
+        line = lines.get(r, "")
+        assert line.startswith(f"rank {r}: MismatchTimeout: ranks disagree on the collective"), err[
+            -3000:
+        ]
+        assert f"{others} called psum(float32[4], sum) at job.py:19 (op #2)" in line, line
+        assert f"rank {last} called psum(int32[4], sum) at job.py:19 (op #2)" in line, line
+
+
+# -- mpi, under a bare mpiexec ------------------------------------------------------------------
+mpi = pytest.mark.skipif(bool(MPI_SKIP), reason=MPI_SKIP)
+
+
+@mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+def test_mpiexec_sleeping_rank_is_named_after_an_early_warning(tmp_path: Path, size: int) -> None:
+    run = mpirun(size, ["sleep", "9"], script=[str(_job(tmp_path))], env=_SLEEP_ENV, timeout=60)
+    assert run.rc == 0, run.tail()
+    _check_sleep(run.err, size, "mpiexec")
+
+
+@mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_mpiexec_int32_against_float32_is_a_mismatch_error(tmp_path: Path, size: int) -> None:
+    run = mpirun(size, ["mismatch"], script=[str(_job(tmp_path))], env=_MISMATCH_ENV, timeout=60)
+    assert run.rc == 0, run.tail()
+    _check_mismatch(run.err, size)
+
+
+@mpi
+def test_mpiexec_world_without_store_when_turned_off(tmp_path: Path) -> None:
+    """MESHCOMM_MPI_STORE=0: the world as before, a timeout without a verdict."""
+    env = {**_MISMATCH_ENV, "MESHCOMM_MPI_STORE": "0"}
+    run = mpirun(2, ["sleep", "4"], script=[str(_job(tmp_path))], env=env, timeout=60)
+    assert run.rc == 0, run.tail()
+    line = _errors(run.err, 2)[0]
+    assert line.startswith("rank 0: CommTimeout") and "verdict" not in line, run.tail()
+
+
+# -- meshrun --backend mpi, and the warning on tcp ----------------------------------------------
+@mpi
+@pytest.mark.slow
+def test_meshrun_mpi_sleeping_rank_is_named_after_one_warning(tmp_path: Path) -> None:
+    rc, _, err = _meshrun(tmp_path, "mpi", 4, ["sleep", "9"], _SLEEP_ENV)
+    assert rc == 0, err[-3000:]
+    _check_sleep(err, 4, "meshrun --backend mpi")
+
+
+@mpi
+def test_meshrun_mpi_int32_against_float32_is_a_mismatch_error(tmp_path: Path) -> None:
+    rc, _, err = _meshrun(tmp_path, "mpi", 2, ["mismatch"], _MISMATCH_ENV)
+    assert rc == 0, err[-3000:]
+    _check_mismatch(err, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+def test_meshrun_tcp_warns_once_before_the_timeout(tmp_path: Path, size: int) -> None:
+    start = time.monotonic()
+    rc, _, err = _meshrun(tmp_path, "tcp", size, ["sleep", "9"], _SLEEP_ENV)
+    assert rc == 0, err[-3000:]
+    _check_sleep(err, size, "meshrun (tcp)")
+    assert time.monotonic() - start < 60
+
+
+def test_tcp_mismatch_is_still_caught_at_once(tmp_path: Path) -> None:
+    """tcp compares stamps on every frame: the same job fails at once, not at the timeout."""
+    env = {"MESHCOMM_TIMEOUT": "30", "MESHCOMM_HANG_WARN": "0"}
+    start = time.monotonic()
+    rc, _, err = _meshrun(tmp_path, "tcp", 2, ["mismatch"], env)
+    assert rc == 0, err[-3000:]
+    for r, line in _errors(err, 2).items():
+        assert line.startswith(f"rank {r}: MismatchError: ranks disagree"), err[-3000:]
+        assert "rank 1 called psum(int32[4], sum) at job.py:19 (op #2)" in line, line
+    assert time.monotonic() - start < 25, err[-3000:]
