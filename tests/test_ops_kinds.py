@@ -288,6 +288,13 @@ def test_a_torch_dtype_numpy_lacks_is_a_type_error_naming_the_op(mesh: DeviceMes
             op(x, mesh, 1)
 
 
+def test_a_torch_meta_tensor_is_a_type_error_naming_the_op(mesh: DeviceMesh) -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"psum over 'x' .*a torch meta tensor has no values"):
+        ops.psum(torch.ones(2, device="meta"), "x", mesh=mesh)
+    assert torch.equal(ops.psum(torch.ones(2), "x", mesh=mesh), torch.ones(2))
+
+
 def test_a_jax_array_under_jit_is_a_type_error_about_tracers(mesh: DeviceMesh) -> None:
     x = jnp.ones((2, 3))
     for name, op in OPS:

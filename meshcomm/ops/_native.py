@@ -136,6 +136,10 @@ def _unwrap_torch(t: Any, where: str) -> tuple[Any, Rewrap]:
         t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
+    if t.device.type == "meta":
+        raise TypeError(
+            f"{where}: a torch meta tensor has no values to communicate; pass a CPU or CUDA tensor"
+        )
     if t.device.type == "cpu":
         if t.dtype is torch.bfloat16:
             return t.view(torch.int16).numpy().view(_BF16), _to_torch_cpu
