@@ -418,7 +418,11 @@ class Issuer:
         self.book.end(entry, True)
         if judged is exc:
             raise exc
-        raise judged from exc
+        if self.debug:
+            raise judged from exc
+        # The verdict says in words what the waiting path's frames would: a newcomer's
+        # report fits a screen without them (MESHCOMM_DEBUG=DETAIL keeps the chain).
+        raise judged.with_traceback(None) from None
 
     def _words(
         self, op: str, seq: int, entry: _ledger.Entry | None

@@ -157,17 +157,22 @@ class AttemptLogs:
         """``attempt_<n>/<local_rank>``, or None when no files are written."""
         return None if self.dir is None else os.path.join(self.dir, str(local_rank))
 
+    def on_console(self, local_rank: int, stream: int) -> bool:
+        """Whether ``stream`` of ``local_rank`` is shown on meshrun's console."""
+        tee = bool(self.plan.tee.get(local_rank, 0) & stream)
+        redirect = bool(self.plan.redirects.get(local_rank, 0) & stream) or tee
+        shown = self.plan.shown is None or local_rank in self.plan.shown
+        return shown and (tee or not redirect)
+
     def route(self, local_rank: int, stream: int) -> Route:
         """Where ``stream`` (:data:`STD_OUT` or :data:`STD_ERR`) of ``local_rank`` goes."""
         tee = bool(self.plan.tee.get(local_rank, 0) & stream)
         redirect = bool(self.plan.redirects.get(local_rank, 0) & stream) or tee
-        shown = self.plan.shown is None or local_rank in self.plan.shown
         rank_dir = self.rank_dir(local_rank)
         file = None
         if redirect and rank_dir is not None:
             file = self._open(os.path.join(rank_dir, f"{_NAMES[stream]}.log"))
-        console = shown and (tee or not redirect)
-        return Route(file, console, self._filtered.get(stream))
+        return Route(file, self.on_console(local_rank, stream), self._filtered.get(stream))
 
     def _open(self, path: str) -> IO[bytes]:
         # Unbuffered: a file shows what the rank wrote as soon as meshrun read it.

@@ -418,8 +418,17 @@ class Supervisor:
     def _show_tail(self, what: str, entry: Rank) -> None:
         lines = list(entry.tail)
         starts = [i for i, line in enumerate(lines) if line.startswith(b"Traceback (most recent")]
-        shown = lines[starts[-1] :] if starts else lines[-_SHOWN_LINES:]
-        self.err.say(f"{what}; the end of its stderr:")
+        local = entry.rank - self.config.node_rank * self.config.nproc_per_node
+        if starts and self.logs.on_console(local, STD_ERR):
+            # The traceback went by above, tagged with the rank: repeat only its error, the
+            # lines after the last frame (the exception and what it adds, a verdict say).
+            block = lines[starts[-1] :]
+            first = next((i for i in range(1, len(block)) if not block[i].startswith(b" ")), 0)
+            shown = block[first:]
+            self.err.say(f"{what}; its error (the traceback is above):")
+        else:
+            shown = lines[-_SHOWN_LINES:]
+            self.err.say(f"{what}; the end of its stderr:")
         tag = f"[rank{entry.rank}] ".encode()
         self.err.write(b"".join(tag + line + b"\n" for line in shown))
 
