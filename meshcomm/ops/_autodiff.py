@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from meshcomm.errors import InvalidArgument
+from meshcomm.ops._jax_jit import stage, stageable
 from meshcomm.ops._native import is_jax_tracer, torch_tensor_type, tracer_message
 from meshcomm.ops.pytree import tree_flatten, tree_unflatten
 
@@ -45,19 +46,23 @@ def _leaf_grad_kind(leaf: Any, where: str) -> str | None:
         if tensor is not None and isinstance(leaf, tensor) and leaf.requires_grad:
             return "torch" if sys.modules["torch"].is_grad_enabled() else None
     elif root in ("jax", "jaxlib") and is_jax_tracer(leaf):
-        # Eager jax.grad / vjp trace with autodiff tracers (over concrete values); jit,
-        # vmap and shard_map trace abstract values, which no collective can take.
+        # jax.grad / vjp trace with autodiff tracers (over concrete values, or over jit's
+        # abstract ones: apply tells them apart); jit traces abstract values, staged as
+        # ordered callbacks. vmap and shard_map values no collective can take.
         if type(leaf).__module__.endswith(".interpreters.ad"):
             return "jax"
+        if stageable(leaf):
+            return "jit"
         raise TypeError(tracer_message(where))
     return None
 
 
 def grad_kind(x: Any, where: str) -> str | None:
-    """``"torch"`` or ``"jax"`` if a leaf of ``x`` needs a gradient, else None.
+    """``"torch"`` or ``"jax"`` if a leaf of ``x`` needs a gradient, ``"jit"`` if one is a
+    value of ``jax.jit`` tracing (and none needs a gradient), else None.
 
     Raises:
-        TypeError: a jax tracer from jit / vmap / shard_map tracing; torch leaves needing
+        TypeError: a jax tracer from vmap / shard_map tracing; torch leaves needing
             gradients beside jax tracers in one call.
 
     Example:
@@ -70,6 +75,8 @@ def grad_kind(x: Any, where: str) -> str | None:
         return _leaf_grad_kind(x, where)
     found = (_leaf_grad_kind(leaf, where) for leaf in tree_flatten(x)[0])
     kinds = {k for k in found if k is not None}
+    if kinds == {"jax", "jit"}:
+        return "jax"  # values jit traced beside those jax.grad differentiates: apply stages all
     if len(kinds) > 1:
         raise TypeError(f"{where}: torch tensors that require grad and jax tracers in one call")
     return kinds.pop() if kinds else None
@@ -114,17 +121,27 @@ class Call:
 def apply(kind: str, call: Call, x: Any, async_op: bool) -> Any:
     """Run ``call`` on ``x`` as one differentiable node of ``kind``'s autodiff.
 
+    ``kind`` ``"jit"``, or ``"jax"`` over values of ``jax.jit`` tracing: the call is staged
+    into the program as an ordered host callback (:mod:`meshcomm.ops._jax_jit`).
+
     Raises:
-        InvalidArgument: ``async_op=True`` (a Work cannot carry gradients; call it
-            synchronously, or detach the inputs).
-        TypeError: a jax tracer from jit / vmap / shard_map tracing.
+        InvalidArgument: ``async_op=True`` (a Work cannot carry gradients, nor leave a
+            compiled program; call it synchronously, or detach the inputs).
+        TypeError: a jax tracer from vmap / shard_map tracing.
     """
+    if async_op and kind == "jit":
+        raise InvalidArgument(
+            f"{call.where}: async_op=True inside jax.jit is not supported (a Work cannot be "
+            "returned from a compiled program); call it synchronously"
+        )
     if async_op:
         raise InvalidArgument(
             f"{call.where}: async_op=True with inputs that need gradients is not supported "
             "(the result would leave the autograd graph); call it synchronously, or detach "
             "the inputs"
         )
+    if kind == "jit" or (kind == "jax" and any(stageable(v) for v in tree_flatten(x)[0])):
+        return stage(call, x)
     call._leaves, call._treedef = tree_flatten(x)
     call._slots = [
         i for i, leaf in enumerate(call._leaves) if _leaf_grad_kind(leaf, call.where) == kind

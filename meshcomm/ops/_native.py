@@ -86,8 +86,8 @@ def unwrap(x: Any, where: str) -> tuple[Any, Rewrap | None]:
 
     Raises:
         TypeError: a torch dtype numpy cannot view (float8, complex32, ...), a jax tracer
-            (meshcomm cannot run inside jit / vmap / shard_map tracing), or a jax array
-            spread over several devices.
+            (the ops stage jit's before they get here; vmap's and shard_map's they
+            cannot take), or a jax array spread over several devices.
     """
     if type(x) is np.ndarray:
         return x, None
@@ -242,11 +242,12 @@ def tracer_message(where: str) -> str:
 
     Example:
         >>> tracer_message("psum over 'tp' (size 2) on rank 0").split(":")[1]
-        ' got a jax tracer'
+        ' got a jax tracer of jax.vmap or jax.shard_map'
     """
     return (
-        f"{where}: got a jax tracer: meshcomm collectives move data between processes when "
-        "they are called, so they cannot be staged into jax.jit, jax.vmap or jax.shard_map "
-        "programs. Call them eagerly (jax.grad and jax.value_and_grad of eager code work), "
-        "or, inside jax.shard_map over one process's devices, use jax.lax.psum and friends"
+        f"{where}: got a jax tracer of jax.vmap or jax.shard_map: meshcomm collectives move "
+        "one rank's whole array between processes, so they cannot be batched by vmap nor "
+        "run per device inside shard_map. They work eagerly, under jax.grad, and inside "
+        "jax.jit (as ordered host callbacks); inside jax.shard_map over one process's "
+        "devices, use jax.lax.psum and friends"
     )

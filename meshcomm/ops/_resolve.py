@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from meshcomm.errors import InvalidArgument
@@ -112,6 +113,10 @@ class Axis:
 
 _AXES = "_ops_axes"  # the per-mesh cache of Axis objects, in the mesh's __dict__
 
+#: Set once an op was staged into a jax program (``_jax_jit.settle``): every op then first
+#: waits for the programs dispatched before it, whose callbacks may not have run yet.
+_settle: Callable[[], None] | None = None
+
 
 def resolve(axis_name: Any, mesh: DeviceMesh | None, op: str) -> Axis:
     """Resolve ``axis_name`` on ``mesh`` (or the ambient mesh) for this rank, without I/O.
@@ -128,6 +133,8 @@ def resolve(axis_name: Any, mesh: DeviceMesh | None, op: str) -> Axis:
         (1, 0, "psum over ('dp', 'tp') (size 1) on rank 0")
         >>> world.shutdown()
     """
+    if _settle is not None:
+        _settle()
     m = get_mesh(mesh, op)
     key = axis_name if isinstance(axis_name, str) else _key(axis_name)
     # Per-mesh caches: ops resolve the same few axis names on every call. The Axis objects
