@@ -19,8 +19,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,24 +34,60 @@ from meshcomm.errors import CommError, CommTimeout, MismatchError, MismatchTimeo
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
 
-__all__ = ["booked", "called", "checked_first", "judged", "mismatch_words", "stamped", "traced"]
+__all__ = [
+    "booked",
+    "called",
+    "checked_first",
+    "differing",
+    "judged",
+    "mismatch_words",
+    "stamped",
+    "traced",
+]
 
 #: How long a rank that saw a mismatch waits for the peer's record of its call (its
 #: responder answers in milliseconds; the others' abort checks come every second).
 _ASK_WAIT = 1.0
 
 
-def called(rank: int, record: dict[str, Any] | None, op: str | None, seq: int) -> str:
+def called(
+    rank: int,
+    record: dict[str, Any] | None,
+    op: str | None,
+    seq: int,
+    show: Collection[str] = (),
+    over: bool = True,
+    label: str | None = None,
+) -> str:
     """``rank 1 called psum(float32[4], sum) at train.py:12 (op #3)`` from a ledger record
     (None: only what is known: the op, or nothing).
+
+    ``show``: the names of the other arguments to show (``tiled``, ``perm``: those in
+    which two calls differ); ``over``: show the mesh axes the user named, unless ``label``
+    (the group's) names them already.
 
     Example:
         >>> called(1, None, "all_reduce", 3)
         'rank 1 called all_reduce(...) (op #3)'
+        >>> rec = {"name": "ppermute", "dtype": "float32", "shape": (4,), "site": "t.py:9",
+        ...        "args": {"perm": "[(0, 1), (1, 0)]"}, "over": "'tp'"}
+        >>> called(1, rec, None, 3, show=["perm"], label="over 'tp'")
+        'rank 1 called ppermute(float32[4], perm=[(0, 1), (1, 0)]) at t.py:9 (op #3)'
+        >>> called(1, rec, None, 3, label="on group 'world'")
+        "rank 1 called ppermute(float32[4]) over 'tp' at t.py:9 (op #3)"
     """
     if record is None:
         what = f"{op}(...)" if op else "another collective"
         return f"rank {rank} called {what} (op #{seq})"
+    return f"rank {rank} called {_call(record, show, over, label)} (op #{seq})"
+
+
+def _call(record: dict[str, Any], show: Collection[str], over: bool, label: str | None) -> str:
+    """A record's call and site in words (:func:`called` without the rank)."""
+    args = record.get("args") or {}
+    axes = record.get("over") if over else None
+    if axes is not None and label == f"over {axes}":
+        axes = None  # the group's words name them already
     call = _fingerprint.describe_call(
         record["name"],
         record.get("dtype"),
@@ -58,8 +95,72 @@ def called(rank: int, record: dict[str, Any] | None, op: str | None, seq: int) -
         record.get("reduce"),
         record.get("root"),
         bool(record.get("device")),
+        tree=record.get("tree"),
+        args=[f"{k}={v}" for k, v in args.items() if k in show],
+        over=axes,
     )
-    return f"rank {rank} called {call} at {record.get('site', '?')} (op #{seq})"
+    return f"{call} at {record.get('site', '?')}"
+
+
+def differing(records: Sequence[dict[str, Any] | None]) -> tuple[set[str], bool]:
+    """What to show of calls that disagree: the names of the other arguments whose values
+    differ among ``records``, and whether to show the axes the user named (unless every
+    record names the same). Records whose words would read alike even so show every
+    argument (they differ where words do not look: a hash).
+
+    Example:
+        >>> a = {"name": "all_gather", "args": {"axis": "0", "tiled": "False"}, "over": "'x'"}
+        >>> differing([a, {**a, "args": {"axis": "0", "tiled": "True"}}])
+        ({'tiled'}, True)
+    """
+    known = [r for r in records if r is not None]
+    if len(known) < 2:
+        return set(), True
+    names = {k for r in known for k in (r.get("args") or {})}
+    show = {k for k in names if len({(r.get("args") or {}).get(k) for r in known}) > 1}
+    if len({r.get("name") for r in known}) > 1:
+        show = set()  # other collectives: their names say it
+    if len({_call(r, show, True, None) for r in known}) == 1:
+        show = names
+    return show, True
+
+
+def _mine(record: dict[str, Any] | None, op: str, seq: int) -> str:
+    """This rank's call for :func:`~meshcomm._fingerprint.check_first`'s words round: the
+    record as JSON (a pytree's words cut to fit), rendered by :func:`_render`."""
+    if record is None:
+        return json.dumps({"op": op, "seq": seq})
+    fields = {k: record.get(k) for k in _SHOWN}
+    if isinstance(fields["tree"], str) and len(fields["tree"]) > 400:
+        fields["tree"] = fields["tree"][:400] + "..."
+    return json.dumps({"op": op, "seq": seq, "record": fields})
+
+
+#: The fields of a record that its words use.
+_SHOWN = ("name", "dtype", "shape", "reduce", "root", "device", "args", "over", "tree", "site")
+
+
+def _render(texts: list[str], label: str) -> list[str]:
+    """Every rank's :func:`_mine` in words, showing the arguments in which they differ
+    (a text that is not such JSON, as it is)."""
+    parsed: list[tuple[dict[str, Any] | None, str, int] | None] = []
+    for text in texts:
+        try:
+            value = json.loads(text)
+            record = value.get("record")
+            parsed.append(
+                (record if isinstance(record, dict) else None, str(value["op"]), int(value["seq"]))
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            parsed.append(None)
+    show, over = differing([None if p is None else p[0] for p in parsed])
+    out = []
+    for text, p in zip(texts, parsed, strict=True):
+        if p is None:
+            out.append(text)
+        else:
+            out.append(called(0, p[0], p[1], p[2], show, over, label).split(" called ", 1)[1])
+    return out
 
 
 def mismatch_words(
@@ -84,9 +185,12 @@ def mismatch_words(
     other = None
     if group.store is not None:
         other = _responder.ask_call(group.store, peer, group.name, pseq, _ASK_WAIT)
+    show, over = differing([mine, other])
+    label = group.label
     text = (
-        f"ranks disagree on the collective {group.label}: "
-        f"{called(me, mine, op, seq)}; {called(peer, other, None, pseq)}"
+        f"ranks disagree on the collective {label}: "
+        f"{called(me, mine, op, seq, show, over, label)}; "
+        f"{called(peer, other, None, pseq, show, over, label)}"
     )
     if peer not in group.ranks or other is None:
         text += f" (rank {peer}'s record of it could not be read)"
@@ -161,16 +265,19 @@ def checked_first(
     ``what``: it in the group's words (``"all_reduce (op #3) on rank 0 in group 'world'
     (size 2)"``)."""
     ranks, label = group.ranks, group.label
-    me = ranks[group.rank]
 
     def mine() -> str:
-        record = None if entry is None else _ledger.record(entry, time.monotonic())
-        return called(me, record, op, seq).split(" called ", 1)[1]
+        return _mine(None if entry is None else _ledger.record(entry, time.monotonic()), op, seq)
+
+    def render(texts: list[str]) -> list[str]:
+        return _render(texts, label)
 
     def run_checked() -> Any:
         if sig not in seen:
             try:
-                _fingerprint.check_first(comm, row, ranks, label, mine, comm.check_all_gather)
+                _fingerprint.check_first(
+                    comm, row, ranks, label, mine, comm.check_all_gather, render
+                )
             except CommTimeout as exc:  # name the user's call, not the check's all_gather
                 raise CommTimeout(f"{what}, checking its first call: {exc}") from exc
             seen.add(sig)

@@ -157,7 +157,7 @@ def signature(
 def signature_of(op: str, fields: dict[str, Any], on_device: bool) -> int:
     """:func:`signature` of a lowered call's fingerprint ``fields`` (the general path)."""
     tiled = fields.get("tiled")
-    args = fields.get("args")
+    args = _args_of(fields.get("args"), fields.get("tree"), fields.get("uargs"))
     first = base(
         op,
         fields.get("dtype"),
@@ -173,6 +173,19 @@ def signature_of(op: str, fields: dict[str, Any], on_device: bool) -> int:
         -1 if args is None else _crc(args),
         int(on_device),
     )
+
+
+def _args_of(args: object, tree: str | None, uargs: object) -> object:
+    """The value whose checksum stands for a call's other arguments: ``args`` alone, or with
+    what the ops layer adds (the pytree's structure, the op's own arguments) when it does.
+
+    A packed pytree moves one buffer whose dtype and shape say nothing of the leaves it
+    holds, so ranks that packed different trees (other keys, leaf shapes, axes) would
+    exchange bytes each reads wrongly: the tree joins the signature the checks compare.
+    """
+    if tree is None and uargs is None:
+        return args
+    return (args, tree, uargs)
 
 
 def stamp(sig: int, seq: int) -> int:
@@ -207,17 +220,29 @@ def describe_call(
     reduce: Any = None,
     root: Any = None,
     device: bool = False,
+    *,
+    tree: str | None = None,
+    args: Sequence[str] = (),
+    over: str | None = None,
 ) -> str:
     """A call in the user's words: ``psum(float32[4], sum)``, ``broadcast(int64[2, 3], root=1)``.
+
+    ``tree``: the pytree the user passed (``{'b': float32[2], 'w': float32[3]}``), shown
+    instead of the buffer it was packed into; ``args``: other arguments to show
+    (``"tiled=True"``); ``over``: the mesh axes the user named (``"'tp'"``).
 
     Example:
         >>> describe_call("all_reduce", np.dtype(np.float32), (4,), ReduceOp.SUM)
         'all_reduce(float32[4], sum)'
         >>> describe_call("barrier")
         'barrier()'
+        >>> describe_call("all_gather", "float32", (4,), args=["tiled=True"], over="'tp'")
+        "all_gather(float32[4], tiled=True) over 'tp'"
     """
     parts = []
-    if dtype is not None:
+    if tree is not None:
+        parts.append(tree)
+    elif dtype is not None:
         dims = "" if shape is None else ", ".join(str(int(d)) for d in shape)
         # A name as a ledger record has it (maybe another process's), or a dtype.
         kind = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype))
@@ -226,9 +251,10 @@ def describe_call(
         parts.append(str(getattr(reduce, "value", reduce)))
     if root is not None and root != -1:
         parts.append(f"root={root}")
+    parts.extend(args)
     if device:
         parts.append("on a GPU")
-    return f"{name}({', '.join(parts)})"
+    return f"{name}({', '.join(parts)})" + ("" if over is None else f" over {over}")
 
 
 def encode(
@@ -244,12 +270,18 @@ def encode(
     tiled: bool | None = None,
     args: object = None,
     on_device: bool | None = None,
+    tree: str | None = None,
+    uargs: object = None,
+    over: str | None = None,
 ) -> np.ndarray:
     """Return what this rank is about to run as a row of ``LENGTH`` int64 (-1: not set).
 
     ``on_device``: whether the caller's array lives on a GPU (ranks must agree: a GPU
-    backend will move those arrays over its own communicators).
+    backend will move those arrays over its own communicators). ``tree``, ``uargs``: what
+    the ops layer adds (a pytree's structure, the op's own arguments), checked with
+    ``args``; ``over``: the axes the user named, words only (the group is the check).
     """
+    args = _args_of(args, tree, uargs)
     row = np.full(LENGTH, -1, dtype=np.int64)
     row[0], row[1] = _OPS.index(op), seq
     if dtype is not None:
@@ -328,8 +360,9 @@ def check(comm: Communicator, row: np.ndarray, ranks: Sequence[int], label: str)
     raise CommError(f"{label}: the ranks disagree on the collective: {described}")
 
 
-#: Bytes of one rank's words in :func:`check_first`'s second round (UTF-8, cut to fit).
-WORDS = 256
+#: Bytes of one rank's words in :func:`check_first`'s second round (UTF-8, cut to fit):
+#: room for a pytree's structure; the round runs only when the calls differ.
+WORDS = 1024
 
 
 def check_first(
@@ -339,6 +372,7 @@ def check_first(
     label: str,
     mine: Callable[[], str],
     gather: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    render: Callable[[list[str]], list[str]] | None = None,
 ) -> None:
     """The default check where the backend carries no stamps (mpi): all-gather ``row``
     (from :func:`encode`) before the first call of a signature; if any two rows differ,
@@ -355,6 +389,9 @@ def check_first(
         mine: this rank's call in words (called only on a mismatch).
         gather: the all_gather to use (default ``comm.all_gather``; mpi's
             ``check_all_gather`` keeps checks off the collectives' communicator).
+        render: every rank's ``mine()`` (in group rank order) to the words shown for each
+            (default: as they are); the same on every rank, so it may show only the
+            fields in which the calls differ.
 
     Raises:
         MismatchError: the ranks are not all about to run the same collective.
@@ -371,10 +408,15 @@ def check_first(
     text[: len(raw)] = np.frombuffer(raw, np.uint8)
     texts = np.empty(size * WORDS, np.uint8)
     all_gather(text, texts)
+    each = [
+        bytes(texts[r * WORDS : (r + 1) * WORDS]).rstrip(b"\0").decode(errors="replace")
+        for r in range(size)
+    ]
+    if render is not None:
+        each = render(each)
     calls: dict[str, list[int]] = {}
     for r in range(size):
-        words = bytes(texts[r * WORDS : (r + 1) * WORDS]).rstrip(b"\0").decode(errors="replace")
-        calls.setdefault(words, []).append(ranks[r])
+        calls.setdefault(each[r], []).append(ranks[r])
     if len(calls) == 1:  # they differ where the words do not look (axis, tiled, args)
         calls = {}
         for r in range(size):

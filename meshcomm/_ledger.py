@@ -104,18 +104,55 @@ def _extra(entry: Entry) -> tuple[Any, Any, bool]:
     return reduce, root, device
 
 
+#: A group call's own arguments that its words show, by collective: (field, name shown).
+_ARG_NAMES = {
+    "all_gather": (("axis", "axis"), ("tiled", "tiled")),
+    "reduce_scatter": (("axis", "axis"), ("tiled", "tiled")),
+    "all_to_all": (("axis", "split_axis"), ("axis2", "concat_axis"), ("tiled", "tiled")),
+    "permute": (("args", "perm"),),
+}
+
+
+def _args(entry: Entry) -> dict[str, str]:
+    """A record's other arguments in words, by name (``{"tiled": "True"}``): the ops layer's
+    (``uargs``: the user's, where a pytree was packed into one buffer), else the group's."""
+    extra = entry[_EXTRA]
+    if not extra:
+        return {}
+    uargs = extra.get("uargs")
+    if uargs is not None:
+        return {str(k): str(v) for k, v in uargs}
+    out = {}
+    for field, shown in _ARG_NAMES.get(entry[_OP], ()):
+        value = extra.get(field)
+        if value is not None:
+            out[shown] = _word(value)
+    return out
+
+
+def _word(value: Any) -> str:
+    """A field's value as the user would write it (a perm as a list of pairs)."""
+    if isinstance(value, tuple) and all(isinstance(v, tuple) for v in value):
+        return repr(list(value))
+    return repr(value)
+
+
 def arguments(entry: Entry) -> str:
     """A record's arguments in words: ``float32[4], sum``, ``int64[2, 3], root=1`` ("" if
-    it has none: a barrier)."""
+    it has none: a barrier); a pytree's structure in place of the buffer it was packed into."""
     reduce, root, device = _extra(entry)
     parts = []
-    if entry[_DTYPE] is not None:
+    tree = (entry[_EXTRA] or {}).get("tree")
+    if tree is not None:
+        parts.append(str(tree))
+    elif entry[_DTYPE] is not None:
         dims = "" if entry[_SHAPE] is None else ", ".join(str(int(d)) for d in entry[_SHAPE])
         parts.append(f"{np.dtype(entry[_DTYPE]).name}[{dims}]")
     if reduce is not None:
         parts.append(reduce)
     if root is not None and root != -1:
         parts.append(f"root={root}")
+    parts.extend(f"{k}={v}" for k, v in _args(entry).items())
     if device:
         parts.append("on a GPU")
     return ", ".join(parts)
@@ -126,6 +163,7 @@ def record(entry: Entry, now: float) -> dict[str, Any]:
     ended = entry[_ENDED]
     state = "in flight" if ended is None else ("failed" if entry[_FAILED] else "done")
     reduce, root, device = _extra(entry)
+    extra = entry[_EXTRA] or {}
     return {
         "seq": entry[_SEQ],
         "op": entry[_OP],
@@ -135,6 +173,9 @@ def record(entry: Entry, now: float) -> dict[str, Any]:
         "reduce": reduce,
         "root": root,
         "device": device,
+        "args": _args(entry),
+        "over": extra.get("over"),
+        "tree": extra.get("tree"),
         "site": _site(entry),
         "state": state,
         "seconds": (now if ended is None else ended) - entry[_ISSUED],
@@ -237,7 +278,9 @@ class Ledger:
         """The records, oldest first, as plain dicts (``state``: done, failed, in flight;
         ``seconds``: how long it took, or has been in flight; ``reduce``: the reduce op's
         name and ``root``: the root, each None where the operation has none; ``device``:
-        whether the array was on a GPU)."""
+        whether the array was on a GPU; ``args``: its other arguments in words, by name;
+        ``over``: the mesh axes named through ``meshcomm.ops``; ``tree``: the pytree the
+        user passed, where it was packed into one buffer; each None where not known)."""
         now = time.monotonic()
         return [record(e, now) for e in list(self._ring)]
 

@@ -54,6 +54,7 @@ from meshcomm.reduction import ReduceOp
 
 __all__ = [
     "Plan",
+    "noted",
     "plan_all_gather",
     "plan_all_reduce",
     "plan_all_to_all",
@@ -130,6 +131,31 @@ class Plan:
         self.in_shape: tuple[int, ...] = fields["shape"]
         self.sig = _fingerprint.signature_of(collective, fields, False)
         self.stamp_base = self.sig << _fingerprint.SEQ_BITS
+
+
+def noted(
+    c: Call, make: Callable[..., Plan], note: tuple[tuple[str, Any], ...], *args: Any
+) -> Plan:
+    """``make(c, *args)``'s plan with ``note`` added to its fingerprint fields: what the ops
+    layer knows of the call beyond the group's arguments (the axes the user named, a packed
+    pytree's structure: :mod:`meshcomm.ops._calls`), for the ledger's words and, where
+    :func:`~meshcomm._fingerprint.signature_of` reads them, the signature.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm._arrays import ScratchPool
+        >>> c = Call(SelfCommunicator(), ScratchPool(), "all_reduce: rank 0")
+        >>> plain = plan_all_reduce(c, np.ones(2), "sum")
+        >>> over = noted(c, plan_all_reduce, (("over", "'x'"),), np.ones(2), "sum")
+        >>> over.fields["over"], over.sig == plain.sig  # words only
+        ("'x'", True)
+        >>> note = (("tree", "[float64[1], float64[1]]"),)
+        >>> noted(c, plan_all_reduce, note, np.ones(2), "sum").sig == plain.sig  # checked
+        False
+    """
+    plan = make(c, *args)
+    fields = {**plan.fields, **dict(note)}
+    return Plan(plan.collective, fields, plan.run, plan.shape, plan.run_in_place)
 
 
 def _runner(c: Call, collective: str, dtype: np.dtype, arg: Any) -> Runner:

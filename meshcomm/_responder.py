@@ -127,7 +127,21 @@ def ask_call(store: Store, rank: int, group: str, seq: int, wait: float) -> dict
         "reduce": _short(record.get("reduce")),
         "root": record.get("root") if type(record.get("root")) is int else None,
         "device": record.get("device") is True,
+        "args": _args(record.get("args")),
+        "over": _short(record.get("over")),
+        "tree": _short(record.get("tree")),
         "site": _short(record.get("site")) or "?",
+    }
+
+
+def _args(value: Any) -> dict[str, str]:
+    """A record's ``args`` (names to words), bounded: at most 8, each name and word cut."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k[:_MAX_TEXT]: v[:_MAX_TEXT]
+        for k, v in list(value.items())[:8]
+        if isinstance(k, str) and isinstance(v, str)
     }
 
 
@@ -136,6 +150,13 @@ _MAX_TEXT = 200
 
 def _short(value: Any) -> str | None:
     return value[:_MAX_TEXT] if isinstance(value, str) else None
+
+
+#: The fields of a ledger record that a ``call`` answer holds (what the words use).
+_ANSWERED = (
+    "seq", "op", "name", "dtype", "shape", "reduce", "root", "device", "args", "over", "tree",
+    "site",
+)  # fmt: skip
 
 
 def _call_answer(world: ProcessGroup, request: bytes) -> bytes:
@@ -149,9 +170,7 @@ def _call_answer(world: ProcessGroup, request: bytes) -> bytes:
                 break
     if found is not None:
         found = {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in found.items()
-            if k in ("seq", "op", "name", "dtype", "shape", "reduce", "root", "device", "site")
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in found.items() if k in _ANSWERED
         }
         if not isinstance(found.get("root"), int | None):
             found["root"] = str(found["root"])

@@ -21,13 +21,16 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshcomm.errors import InvalidArgument
+import numpy as np
+
+from meshcomm.errors import InvalidArgument, MismatchError
 from meshcomm.mesh import DeviceMesh, current_mesh
+from meshcomm.ops._calls import Note, NotedGroup
 
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
 
-__all__ = ["Axis", "AxisName", "axis_dims", "get_mesh", "resolve"]
+__all__ = ["Axis", "AxisName", "agree_order", "axis_dims", "get_mesh", "resolve"]
 
 #: A mesh dim name, or a tuple (or list) of names reduced over together, row-major.
 AxisName = str | tuple[str, ...] | list[str]
@@ -90,19 +93,47 @@ class Axis:
         size: the number of ranks along them (1 for an empty tuple).
         index: this rank's row-major index along them (its rank in the group).
         where: names the op, the axis and the rank for error messages.
+        note: the axes as the user named them, for the group calls' words
+            (:mod:`meshcomm.ops._calls`): ``(("over", "'tp'"),)``.
     """
 
-    __slots__ = ("_group", "dims", "index", "mesh", "size", "where")
+    __slots__ = ("_group", "_noted", "dims", "index", "mesh", "note", "size", "where")
 
     def __init__(
-        self, mesh: DeviceMesh, dims: tuple[int, ...], size: int, index: int, where: str
+        self,
+        mesh: DeviceMesh,
+        dims: tuple[int, ...],
+        size: int,
+        index: int,
+        where: str,
+        over: str = "()",
     ) -> None:
         self.mesh, self.dims, self.size, self.index, self.where = mesh, dims, size, index, where
+        self.note: Note = (("over", over),)
         self._group: ProcessGroup | None = None
+        self._noted: NotedGroup | None = None
+
+    def noted(self) -> NotedGroup | None:
+        """:meth:`group` whose calls carry :attr:`note` (None for an empty tuple)."""
+        group = self.group()
+        return None if group is None else self.noted_group(group)
+
+    def noted_group(self, group: ProcessGroup) -> NotedGroup:
+        """``group`` (this axis's, from :meth:`group`) whose calls carry :attr:`note`."""
+        noted = self._noted
+        if noted is None:
+            noted = self._noted = NotedGroup(group, self.note)
+        return noted
 
     def group(self) -> ProcessGroup | None:
-        """The group along these dims (None for an empty tuple: nothing to communicate)."""
+        """The group along these dims (None for an empty tuple: nothing to communicate).
+
+        The first use of a tuple of axes on a mesh checks that every rank of it names them
+        in the same order (:func:`agree_order`) before the group is made.
+        """
         if self._group is None and self.dims:
+            if len(self.dims) > 1:
+                agree_order(self.mesh, self.dims, self.where)
             # The mesh keeps the groups it made for good, so remembering ours is exact.
             self._group = self.mesh._group_for_dims(self.dims)
         return self._group
@@ -112,6 +143,59 @@ class Axis:
 
 
 _AXES = "_ops_axes"  # the per-mesh cache of Axis objects, in the mesh's __dict__
+_AGREED = "_ops_agreed"  # the tuples of root axes whose order was agreed, on the mesh's root
+
+
+def agree_order(mesh: DeviceMesh, dims: tuple[int, ...], where: str) -> None:
+    """Check, on the first use of the tuple of axes ``dims`` on ``mesh``'s grid, that every
+    rank of its group names the axes in the same order; raise on every one of them if not.
+
+    The order of a tuple is the group's rank order: ``("dp", "tp")`` and ``("tp", "dp")``
+    hold the same ranks in another order, so they are other groups, made apart (each by
+    its members, through the store) and used apart. Ranks that disagree would each wait
+    for a group the others never make, until the timeout, in the store's words. Instead,
+    the first use of each tuple all-gathers every member's order over the group of the
+    same axes in mesh order (the same ranks, whichever order each names; made first where
+    it is not yet), so that every rank compares them all and raises the same error.
+
+    Raises:
+        MismatchError: the members' orders differ (the group's ranks differ with them).
+        CommError: the check's collective failed.
+    """
+    root = mesh._root
+    axes = mesh._root_axes(dims)
+    agreed: set[tuple[int, ...]] = root.__dict__.setdefault(_AGREED, set())
+    if axes in agreed:
+        return
+    canon = tuple(sorted(dims))
+    group = mesh._group_for_dims(canon)
+    coord = mesh._my_coordinate(where)
+    members = root.members(axes, root.coordinate(root.my_rank()) or coord)
+    order = [canon.index(d) for d in dims]  # this rank's order, as positions in mesh order
+    row = np.array([*members, *order], np.int64)
+    rows = group.all_gather(row).reshape(group.size, -1)
+    size = len(members)
+    if (rows[:, :size] == rows[0, :size]).all():  # other orders of one group's ranks agree
+        agreed.add(axes)
+        return
+    named: dict[str, list[int]] = {}
+    for r in range(group.size):
+        positions = [int(p) for p in rows[r, size:]]
+        valid = sorted(positions) == list(range(len(canon)))
+        names = tuple(mesh.mesh_dim_names[canon[p]] for p in positions) if valid else positions
+        ranks = [int(m) for m in rows[r, :size]]
+        named.setdefault(f"{names!r} (group ranks {ranks})", []).append(group.ranks[r])
+    said = "; ".join(
+        f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} named {text}"
+        for text, rs in named.items()
+    )
+    # The same words on every rank: the axes in mesh order, not as this rank named them.
+    call = f"{where.split(' ', 1)[0]} over {tuple(mesh.mesh_dim_names[d] for d in canon)!r}"
+    raise MismatchError(
+        f"{call}: ranks disagree on the order of the mesh axes, which orders the group's "
+        f"ranks: {said}; every rank must name them in the same order"
+    )
+
 
 #: Set once an op was staged into a jax program (``_jax_jit.settle``): every op then first
 #: waits for the programs dispatched before it, whose callbacks may not have run yet.
@@ -164,7 +248,8 @@ def resolve(axis_name: Any, mesh: DeviceMesh | None, op: str) -> Axis:
         if key is not None:
             cache[key] = hit
     dims, size, index, tail = hit
-    axis = Axis(m, dims, size, index, f"{op} {tail}")
+    shown = tail[len("over ") : tail.rindex(" (size ")]  # the axes as the user named them
+    axis = Axis(m, dims, size, index, f"{op} {tail}", shown)
     if key is not None:
         axes[(op, key)] = axis
     return axis

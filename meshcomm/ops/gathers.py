@@ -29,13 +29,13 @@ from meshcomm._arrays import SUPPORTED_DTYPES, rank_blocks_fit
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
+from meshcomm.ops._calls import Collectives
 from meshcomm.ops._checks import axis_arg, block_shape, to_blocks, unstack
 from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, array_namespace, run
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
     from meshcomm.mesh import DeviceMesh
 
 __all__ = ["all_gather", "all_to_all", "psum_scatter"]
@@ -73,16 +73,19 @@ class _Gather(Kernel):
         positions = arr.ndim if self.tiled else arr.ndim + 1
         return arr, (arr.shape, axis_arg(where, self.axis, positions, "axis"))
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.all_gather(arr, axis=meta[1], tiled=self.tiled, async_op=async_op)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         return group.all_gather(buf.reshape(-1), axis=0, tiled=False, async_op=async_op)
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
         xp = array_namespace(result)
         flat = xp.ascontiguousarray(result[:, cols]).reshape(-1)
         return unstack(xp, flat, meta[0], meta[1], self.size, self.tiled)
+
+    def arg_words(self, metas: list[Any]) -> tuple[tuple[str, str], ...]:
+        return (("axis", _word([m[1] for m in metas])), ("tiled", repr(self.tiled)))
 
 
 class _Scatter(Kernel):
@@ -101,17 +104,20 @@ class _Scatter(Kernel):
         block = block_shape(where, arr.shape, ax, self.size, self.tiled, "scatter_dimension")
         return arr, (ax, block)
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.reduce_scatter(arr, "sum", axis=meta[0], tiled=self.tiled, async_op=async_op)
 
     def pack(self, arr: Any, meta: Any) -> Any:
         return to_blocks(array_namespace(arr), arr, meta[0], self.size, self.tiled)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         return group.reduce_scatter(buf, "sum", axis=0, tiled=False, async_op=async_op)
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
         return result[cols].reshape(meta[1])
+
+    def arg_words(self, metas: list[Any]) -> tuple[tuple[str, str], ...]:
+        return (("scatter_dimension", _word([m[0] for m in metas])), ("tiled", repr(self.tiled)))
 
 
 class _AllToAll(Kernel):
@@ -126,7 +132,7 @@ class _AllToAll(Kernel):
         block = block_shape(where, arr.shape, split, self.size, self.tiled, "split_axis")
         return arr, (split, concat, block)
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.all_to_all(
             arr, split_axis=meta[0], concat_axis=meta[1], tiled=self.tiled, async_op=async_op
         )
@@ -134,13 +140,25 @@ class _AllToAll(Kernel):
     def pack(self, arr: Any, meta: Any) -> Any:
         return to_blocks(array_namespace(arr), arr, meta[0], self.size, self.tiled)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         return group.all_to_all(buf, split_axis=0, concat_axis=0, tiled=False, async_op=async_op)
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
         xp = array_namespace(result)
         flat = xp.ascontiguousarray(result[:, cols]).reshape(-1)
         return unstack(xp, flat, meta[2], meta[1], self.size, self.tiled)
+
+    def arg_words(self, metas: list[Any]) -> tuple[tuple[str, str], ...]:
+        return (
+            ("split_axis", _word([m[0] for m in metas])),
+            ("concat_axis", _word([m[1] for m in metas])),
+            ("tiled", repr(self.tiled)),
+        )
+
+
+def _word(axes: list[int]) -> str:
+    """The axes the leaves' checks resolved: one, or each leaf's where they differ."""
+    return str(axes[0]) if len(set(axes)) == 1 else str(axes)
 
 
 def all_gather(
@@ -199,9 +217,9 @@ def all_gather(
     if _fast(arr, async_op, _AS_IS, axis) and (arr.ndim or not tiled):
         group = ax.group()
         if group is not None:
-            out = group.all_gather(arr, 0, tiled)
+            out = ax.noted_group(group).all_gather(arr, 0, tiled)
             return out if arr is x else tensor_of_numpy(out)
-    return run(_Gather(axis, tiled, ax.size), x, ax.where, ax.group, async_op)
+    return run(_Gather(axis, tiled, ax.size), x, ax.where, ax.noted, async_op)
 
 
 def psum_scatter(
@@ -279,9 +297,9 @@ tiled=False, x.shape[scatter_dimension] must equal the axis size, but they are 4
     if _fast(arr, async_op, _SUMMABLE, scatter_dimension) and rank_blocks_fit(arr, ax.size, tiled):
         group = ax.group()
         if group is not None:
-            out = group.reduce_scatter(arr, "sum", 0, tiled)
+            out = ax.noted_group(group).reduce_scatter(arr, "sum", 0, tiled)
             return out if arr is x else tensor_of_numpy(out)
-    return run(_Scatter(scatter_dimension, tiled, ax.size), x, ax.where, ax.group, async_op)
+    return run(_Scatter(scatter_dimension, tiled, ax.size), x, ax.where, ax.noted, async_op)
 
 
 def all_to_all(
@@ -358,7 +376,7 @@ def all_to_all(
     ):
         group = ax.group()
         if group is not None:
-            out = group.all_to_all(arr, 0, 0, tiled)
+            out = ax.noted_group(group).all_to_all(arr, 0, 0, tiled)
             return out if arr is x else tensor_of_numpy(out)
     kernel = _AllToAll(split_axis, concat_axis, tiled, ax.size)
-    return run(kernel, x, ax.where, ax.group, async_op)
+    return run(kernel, x, ax.where, ax.noted, async_op)

@@ -31,12 +31,12 @@ import numpy as np
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
+from meshcomm.ops._calls import Collectives
 from meshcomm.ops._checks import index_arg
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, array_namespace, run
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
     from meshcomm.mesh import DeviceMesh
 
 __all__ = ["pbroadcast", "ppermute", "pshuffle"]
@@ -49,10 +49,10 @@ class _Permute(Kernel):
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
         return arr, arr.shape
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.permute(arr, self.pairs, async_op=async_op)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         return group.permute(buf.reshape(-1), self.pairs, async_op=async_op)
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
@@ -71,10 +71,10 @@ class _Broadcast(Kernel):
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
         return arr, arr.shape
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.broadcast(arr, root=self.source, async_op=async_op)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         return group.broadcast(buf.reshape(-1), root=self.source, async_op=async_op)
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
@@ -171,7 +171,7 @@ def ppermute(
         forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
         rule = _transpose.ppermute_t(axis_name, axis.mesh, pairs)
         return apply(kind, Call(axis.where, forward, rule), x, async_op)
-    return run(_Permute(pairs, axis.index), x, axis.where, axis.group, async_op)
+    return run(_Permute(pairs, axis.index), x, axis.where, axis.noted, async_op)
 
 
 def pshuffle(
@@ -220,7 +220,7 @@ def pshuffle(
         forward = functools.partial(ppermute, axis_name=axis_name, perm=pairs, mesh=axis.mesh)
         rule = _transpose.ppermute_t(axis_name, axis.mesh, pairs)
         return apply(kind, Call(axis.where, forward, rule), x, async_op)
-    return run(_Permute(pairs, axis.index), x, axis.where, axis.group, async_op)
+    return run(_Permute(pairs, axis.index), x, axis.where, axis.noted, async_op)
 
 
 def pbroadcast(
@@ -268,4 +268,4 @@ def pbroadcast(
         forward = functools.partial(pbroadcast, axis_name=axis_name, source=src, mesh=axis.mesh)
         rule = _transpose.pbroadcast_t(axis_name, axis.mesh, src, axis.index)
         return apply(kind, Call(axis.where, forward, rule), x, async_op)
-    return run(_Broadcast(src), x, axis.where, axis.group, async_op)
+    return run(_Broadcast(src), x, axis.where, axis.noted, async_op)

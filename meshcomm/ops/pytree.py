@@ -33,16 +33,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from meshcomm._arrays import as_array, check_dtype
+from meshcomm.ops._calls import Collectives, NotedGroup, describe_tree
 from meshcomm.ops._native import Rewrap, unwrap
 from meshcomm.work import Work
-
-if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
 
 __all__ = [
     "Kernel",
@@ -199,13 +197,13 @@ class Kernel:
     def check(self, arr: Any, where: str) -> tuple[Any, Any]:
         return arr, None
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         raise NotImplementedError
 
     def pack(self, arr: Any, meta: Any) -> Any:
         return arr.reshape(1, arr.size)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         raise NotImplementedError
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
@@ -217,6 +215,12 @@ class Kernel:
     def needs_finish(self, meta: Any) -> bool:
         """False when ``finish`` returns its input (an async result needs no chaining)."""
         return False
+
+    def arg_words(self, metas: list[Any]) -> tuple[tuple[str, str], ...] | None:
+        """The op's own arguments that packing hides from the group call (a scatter's
+        dimension, ``tiled``), as the leaves' checks resolved them, by name; None where
+        the group call's arguments say it all. Part of a packed tree's signature."""
+        return None
 
     def local(self, arr: Any, meta: Any) -> Any:
         """The result over no axes at all (an empty axis tuple): the leaf, copied."""
@@ -230,7 +234,7 @@ class _Transfer:
     split: Callable[[Any], list[Any]]
 
 
-def _unpacked(kernel: Kernel, group: ProcessGroup, arr: Any, meta: Any) -> _Transfer:
+def _unpacked(kernel: Kernel, group: Collectives, arr: Any, meta: Any) -> _Transfer:
     def start(async_op: bool) -> Any:
         return kernel.unpacked(group, arr, meta, async_op)
 
@@ -240,7 +244,7 @@ def _unpacked(kernel: Kernel, group: ProcessGroup, arr: Any, meta: Any) -> _Tran
     return _Transfer((), start, split)
 
 
-def _packed(kernel: Kernel, group: ProcessGroup, arrays: list[Any], metas: list[Any]) -> _Transfer:
+def _packed(kernel: Kernel, group: Collectives, arrays: list[Any], metas: list[Any]) -> _Transfer:
     xp = array_namespace(arrays[0])
     blocks = [kernel.pack(a, m) for a, m in zip(arrays, metas, strict=True)]
     buf = xp.concatenate(blocks, axis=1)
@@ -261,7 +265,7 @@ def _packed(kernel: Kernel, group: ProcessGroup, arrays: list[Any], metas: list[
 
 
 def _plan(
-    kernel: Kernel, group: ProcessGroup, arrays: list[Any], metas: list[Any]
+    kernel: Kernel, group: Collectives, arrays: list[Any], metas: list[Any]
 ) -> list[_Transfer]:
     """One transfer per (array library, dtype), in order of first appearance."""
     buckets: dict[tuple[str, str], list[int]] = {}
@@ -283,7 +287,7 @@ def run(
     kernel: Kernel,
     x: Any,
     where: str,
-    group_of: Callable[[], ProcessGroup | None],
+    group_of: Callable[[], Collectives | None],
     async_op: bool,
 ) -> Any:
     """Apply ``kernel`` to every leaf of ``x``: check all leaves, then move them.
@@ -302,10 +306,12 @@ def run(
     if x is not None and not isinstance(x, (dict, list, tuple)):
         return _run_leaf(kernel, x, where, group_of, async_op)
     leaves, treedef = tree_flatten(x)
-    arrays, metas, backs = [], [], []
+    arrays, metas, backs, given = [], [], [], []
     for leaf in leaves:
         host, back = unwrap(leaf, where)
-        arr, meta = kernel.check(as_leaf(host, where), where)
+        one = as_leaf(host, where)
+        given.append(one)
+        arr, meta = kernel.check(one, where)
         arrays.append(arr)
         metas.append(meta)
         backs.append(back)
@@ -323,6 +329,13 @@ def run(
     if group is None:
         outs = [kernel.local(a, m) for a, m in zip(arrays, metas, strict=True)]
         return _done(where, rebuild(outs)) if async_op else rebuild(outs)
+    # Every transfer carries the tree as the user passed it: its words, and its structure
+    # in the signature (the buffers alone would let ranks with other trees agree).
+    note = (*getattr(group, "note", ()), ("tree", describe_tree(treedef, given)))
+    uargs = kernel.arg_words(metas)
+    if uargs is not None:
+        note = (*note, ("uargs", uargs))
+    group = NotedGroup(group.group if isinstance(group, NotedGroup) else group, note)
     transfers = _plan(kernel, group, arrays, metas)
     if not async_op:
         outs = [None] * len(arrays)
@@ -338,7 +351,7 @@ def _run_leaf(
     kernel: Kernel,
     x: Any,
     where: str,
-    group_of: Callable[[], ProcessGroup | None],
+    group_of: Callable[[], Collectives | None],
     async_op: bool,
 ) -> Any:
     """The common case, one array: no tree, no packing, at most one chained Work."""

@@ -27,15 +27,15 @@ import numpy as np
 
 from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops import _torch_stage, _transpose
+from meshcomm.ops import _calls, _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
+from meshcomm.ops._calls import Collectives
 from meshcomm.ops._native import numpy_of_tensor, tensor_of_numpy
 from meshcomm.ops._resolve import Axis, AxisName, resolve
 from meshcomm.ops.pytree import Kernel, run
 from meshcomm.reduction import OP_KINDS, ReduceOp, check_op_dtype, parse_op
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
     from meshcomm.mesh import DeviceMesh
 
 __all__ = ["all_reduce", "pmax", "pmean", "pmin", "pprod", "psum"]
@@ -75,10 +75,10 @@ class _Reduce(Kernel):
     def needs_finish(self, meta: Any) -> bool:
         return meta[2] is not None
 
-    def unpacked(self, group: ProcessGroup, arr: Any, meta: Any, async_op: bool) -> Any:
+    def unpacked(self, group: Collectives, arr: Any, meta: Any, async_op: bool) -> Any:
         return group.all_reduce(arr, meta[1], factor=self.factor, async_op=async_op)
 
-    def call(self, group: ProcessGroup, buf: Any, async_op: bool) -> Any:
+    def call(self, group: Collectives, buf: Any, async_op: bool) -> Any:
         # Leaves of one bucket share a dtype, hence the op (the meta's) of its first leaf.
         op = self._bucket_op(buf.dtype)
         return group.all_reduce(buf.reshape(-1), op, factor=self.factor, async_op=async_op)
@@ -157,7 +157,8 @@ def _reduce(
         ):
             group = axis.group()
             if group is not None:
-                out = group.all_reduce(arr, op)
+                # The group's own plan route, under a key that adds the axes' words.
+                out = _calls.all_reduce(group, arr, op, axis.note)
                 return out if arr is x else tensor_of_numpy(out)
     if factor is None:
         # Kernels without a factor are stateless: one per (op, size, flavour), reused.
@@ -169,7 +170,7 @@ def _reduce(
                 _KERNELS[key] = kernel
     else:
         kernel = _Reduce(op, factor, axis.size, jax_bool=jax_bool, mean=mean)
-    return run(kernel, x, axis.where, axis.group, async_op)
+    return run(kernel, x, axis.where, axis.noted, async_op)
 
 
 _KERNELS: dict[tuple[ReduceOp, int, bool, bool], _Reduce] = {}

@@ -1,0 +1,177 @@
+"""Group calls that carry what the user wrote: the mesh axes named, a packed pytree's form.
+
+The ops layer hands the group one buffer per transfer; what the user passed (the axis names,
+the pytree packed into that buffer, the op's own arguments where packing hides them) is not
+in the buffer. :class:`NotedGroup` adds it, as a *note*, to the fingerprint fields of each
+call: the ledger keeps it (so a mismatch or a hang report names ``psum({'b': float32[2],
+'w': float32[3]}, sum) over 'tp'``, not the packed ``float32[5]``), and the parts that decide
+what the bytes mean (``tree``: the structure and each leaf's dtype and shape; ``uargs``: a
+packed op's own arguments) join the call's signature, so ranks that packed different trees
+raise :class:`~meshcomm.errors.MismatchError` instead of reading each other's bytes wrongly.
+The axes alone (``over``) are words only: the group itself is what they decide.
+
+A note rides on the group's plan route (a plan per call signature and note, so a call costs
+what a group method's call does) and on its lowered route for ``permute``. Device arrays (a
+device backend's route) and a ``premul_sum`` factor go through the plain group method:
+their calls carry no note.
+
+Example:
+    >>> from meshcomm.backends.local import SelfCommunicator
+    >>> from meshcomm.group import ProcessGroup
+    >>> g = ProcessGroup(SelfCommunicator())
+    >>> noted = NotedGroup(g, (("over", "'x'"),))
+    >>> noted.all_reduce(np.ones(2), "sum")
+    array([1., 1.])
+    >>> g.ledger()[-1]["over"]
+    "'x'"
+    >>> g.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from meshcomm import _lower, _plans, _staging
+from meshcomm._arrays import dtype_name
+
+if TYPE_CHECKING:
+    from meshcomm.group import ProcessGroup
+
+__all__ = ["Collectives", "Note", "NotedGroup", "all_reduce", "describe_tree"]
+
+#: Fingerprint fields to add to a call: ``(("over", "'tp'"), ("tree", "..."), ...)``.
+Note = tuple[tuple[str, Any], ...]
+
+#: What a kernel calls its collectives on: a group, or one whose calls carry a note.
+Collectives = Union["ProcessGroup", "NotedGroup"]
+
+
+def all_reduce(group: ProcessGroup, x: Any, op: Any, note: Note) -> Any:
+    """``group.all_reduce(x, op)`` of a numpy array with ``note`` (the ops' direct path:
+    what the group method's own plan route does, under a key with the note)."""
+    plan = group._plan(
+        ("all_reduce", x.dtype, x.shape, op, note),
+        _plans.noted,
+        _plans.plan_all_reduce,
+        note,
+        x,
+        op,
+    )
+    return group._run_plan(plan, x, False)
+
+
+class NotedGroup:
+    """The collectives a :class:`~meshcomm.ops.pytree.Kernel` calls, on ``group``, each
+    call with ``note`` in its fingerprint fields (see the module docstring).
+
+    Args:
+        group: the axis's group.
+        note: the fields to add.
+    """
+
+    __slots__ = ("group", "note")
+
+    def __init__(self, group: ProcessGroup, note: Note) -> None:
+        self.group, self.note = group, note
+
+    def all_reduce(
+        self, x: Any, op: Any = "sum", *, factor: Any = None, async_op: bool = False
+    ) -> Any:
+        if type(x) is np.ndarray and factor is None:
+            return self._planned(
+                ("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, async_op, op
+            )
+        return self.group.all_reduce(x, op, factor=factor, async_op=async_op)
+
+    def all_gather(
+        self, x: Any, axis: int = 0, tiled: bool = False, *, async_op: bool = False
+    ) -> Any:
+        if type(x) is np.ndarray and type(axis) is int:
+            key = ("all_gather", x.dtype, x.shape, axis, tiled)
+            return self._planned(key, _plans.plan_all_gather, x, async_op, axis, tiled)
+        return self.group.all_gather(x, axis, tiled, async_op=async_op)
+
+    def reduce_scatter(
+        self, x: Any, op: Any = "sum", axis: int = 0, tiled: bool = False, *, async_op: bool = False
+    ) -> Any:
+        if type(x) is np.ndarray and type(axis) is int:
+            key = ("reduce_scatter", x.dtype, x.shape, op, axis, tiled)
+            return self._planned(key, _plans.plan_reduce_scatter, x, async_op, op, axis, tiled)
+        return self.group.reduce_scatter(x, op, axis, tiled, async_op=async_op)
+
+    def all_to_all(
+        self,
+        x: Any,
+        split_axis: int = 0,
+        concat_axis: int = 0,
+        tiled: bool = False,
+        *,
+        async_op: bool = False,
+    ) -> Any:
+        if type(x) is np.ndarray and type(split_axis) is int and type(concat_axis) is int:
+            key = ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled)
+            return self._planned(
+                key, _plans.plan_all_to_all, x, async_op, split_axis, concat_axis, tiled
+            )
+        return self.group.all_to_all(x, split_axis, concat_axis, tiled, async_op=async_op)
+
+    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
+        if type(x) is np.ndarray and type(root) is int:
+            return self._planned(
+                ("broadcast", x.dtype, x.shape, root), _plans.plan_broadcast, x, async_op, root
+            )
+        return self.group.broadcast(x, root, async_op=async_op)
+
+    def permute(self, x: Any, perm: Sequence[tuple[int, int]], *, async_op: bool = False) -> Any:
+        group = self.group
+        if group._device_of(x) is not None:
+            return group.permute(x, perm, async_op=async_op)
+        c = group._enter("permute")
+        host, dev = _staging.to_host(x)
+        body, fields = _lower.permute(c, host, perm, bool(async_op))
+        noted = {**(fields or {}), **dict(self.note)}
+        return group._issue("permute", (body, noted), async_op, dev)
+
+    def _planned(
+        self, key: tuple[Any, ...], make: Any, x: np.ndarray, async_op: bool, *args: Any
+    ) -> Any:
+        group, note = self.group, self.note
+        plan = group._plan((*key, note), _plans.noted, make, note, x, *args)
+        return group._run_plan(plan, x, async_op)
+
+
+def describe_tree(treedef: Any, leaves: Sequence[Any]) -> str:
+    """A pytree in the user's form, each leaf as its dtype and shape (dict keys sorted, as
+    they are flattened: ranks that built a dict in another order agree).
+
+    Example:
+        >>> from meshcomm.ops.pytree import tree_flatten
+        >>> leaves, treedef = tree_flatten({"w": np.ones((2, 3)), "b": [np.int32(1), None]})
+        >>> describe_tree(treedef, leaves)
+        "{'b': [int32[], None], 'w': float64[2, 3]}"
+    """
+    it = iter(leaves)
+    return _describe(treedef, it)
+
+
+def _describe(treedef: Any, it: Any) -> str:
+    kind = treedef.kind
+    if kind == "leaf":
+        leaf = next(it)
+        dims = ", ".join(str(int(d)) for d in leaf.shape)
+        return f"{dtype_name(np.dtype(leaf.dtype))}[{dims}]"
+    if kind == "none":
+        return "None"
+    kids = [_describe(c, it) for c in treedef.children]
+    if kind == "dict":
+        return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(treedef.keys, kids, strict=True)) + "}"
+    if kind == "namedtuple":
+        fields = getattr(treedef.node_type, "_fields", ())
+        inner = ", ".join(f"{f}={v}" for f, v in zip(fields, kids, strict=True))
+        return f"{getattr(treedef.node_type, '__name__', 'namedtuple')}({inner})"
+    if kind == "list":
+        return "[" + ", ".join(kids) + "]"
+    return "(" + ", ".join(kids) + ("," if len(kids) == 1 else "") + ")"
