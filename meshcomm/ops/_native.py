@@ -195,6 +195,13 @@ def _unwrap_jax(x: Any, where: str) -> tuple[Any, Rewrap | None]:
     if jax is None or not isinstance(x, jax.Array):
         return x, None
     if is_jax_tracer(x):
+        from meshcomm.ops._jax_jit import stageable
+
+        if stageable(x):  # only calls that move nothing get here (pcast over no axes)
+            raise TypeError(
+                f"{where}: this call moves nothing and is not staged into jax.jit; drop it "
+                "there (it is a copy)"
+            )
         raise TypeError(tracer_message(where))
     devices = x.sharding.device_set
     if len(devices) != 1:
