@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from meshcomm._arrays import as_array, check_dtype
-from meshcomm.ops._calls import Collectives, NotedGroup, describe_tree
+from meshcomm.ops._calls import Collectives, NotedGroup, tree_words
 from meshcomm.ops._native import Rewrap, unwrap
 from meshcomm.work import Work
 
@@ -331,7 +331,7 @@ def run(
         return _done(where, rebuild(outs)) if async_op else rebuild(outs)
     # Every transfer carries the tree as the user passed it: its words, and its structure
     # in the signature (the buffers alone would let ranks with other trees agree).
-    note = (*getattr(group, "note", ()), ("tree", describe_tree(treedef, given)))
+    note = (*getattr(group, "note", ()), ("tree", tree_words(treedef, given)))
     uargs = kernel.arg_words(metas)
     if uargs is not None:
         note = (*note, ("uargs", uargs))
