@@ -118,22 +118,17 @@ def test_world_of_one_shapes(mesh: DeviceMesh) -> None:
 def test_one_array_at_axis_0_goes_straight_to_the_group(
     mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshcomm.reduction import ReduceOp
 
     group = mesh.get_group("tp")
-    seen: list[tuple[str, bool, tuple[Any, ...], dict[str, Any]]] = []
+    seen: list[tuple[str, bool, bool]] = []
+    run_plan = group._run_plan
 
-    def spy(name: str) -> Any:
-        real = getattr(group, name)
+    def spy(plan: Any, arr: Any, async_op: bool) -> Any:
+        seen.append((plan.collective, arr is x, async_op))
+        return run_plan(plan, arr, async_op)
 
-        def call(arr: Any, *args: Any, **kwargs: Any) -> Any:
-            seen.append((name, arr is x, args, kwargs))
-            return real(arr, *args, **kwargs)
-
-        return call
-
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        monkeypatch.setattr(group, name, spy(name))
+    # The direct paths run the group's plan for the call (with the axis' note: its words).
+    monkeypatch.setattr(group, "_run_plan", spy)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)[:1]
     for op in (
         lambda: ops.psum(x, "tp", mesh=mesh),
@@ -146,14 +141,14 @@ def test_one_array_at_axis_0_goes_straight_to_the_group(
         np.testing.assert_array_equal(out, x)
     # The caller's array itself, at axis 0, synchronous, no factor: the group's direct paths.
     assert seen == [
-        ("all_reduce", True, (ReduceOp.SUM,), {}),
-        ("all_gather", True, (0, True), {}),
-        ("reduce_scatter", True, ("sum", 0, True), {}),
-        ("all_to_all", True, (0, 0, False), {}),
+        ("all_reduce", True, False),
+        ("all_gather", True, False),
+        ("reduce_scatter", True, False),
+        ("all_to_all", True, False),
     ]
     seen.clear()
     assert ops.pmax(x.astype(ml_dtypes.bfloat16), "tp", mesh=mesh).dtype == ml_dtypes.bfloat16
-    assert seen == [("all_reduce", False, (ReduceOp.MAX,), {})]  # bfloat16 goes straight too
+    assert seen == [("all_reduce", False, False)]  # bfloat16 goes straight too
     # What the kernel still handles gives the same results and the ops' own messages.
     assert ops.psum(x.astype(">f4"), "tp", mesh=mesh).dtype == np.float32
     assert ops.psum(np.ones(2, bool), "tp", mesh=mesh).dtype == np.int32
@@ -331,19 +326,19 @@ def test_a_bad_leaf_stops_the_whole_tree_before_io(mesh: DeviceMesh) -> None:
 def test_coalescing_one_transfer_per_dtype(mesh: DeviceMesh) -> None:
     calls: list[tuple[Any, ...]] = []
     group = mesh.get_group("tp")
-    original = group.all_reduce
+    original = group._run_plan
 
-    def spy(x: Any, *a: Any, **k: Any) -> Any:
+    def spy(plan: Any, x: Any, async_op: bool) -> Any:
         calls.append((np.asarray(x).dtype, np.asarray(x).shape))
-        return original(x, *a, **k)
+        return original(plan, x, async_op)
 
-    group.all_reduce = spy  # type: ignore[method-assign]
+    group._run_plan = spy  # type: ignore[method-assign]
     try:
         tree = [np.ones((2, 3), np.float32), np.ones(4, np.float32), np.int32(2), np.ones(1)]
         tree.append(np.ones(5, np.float32))
         out = ops.psum(tree, "tp", mesh=mesh)
     finally:
-        del group.all_reduce
+        del group._run_plan
     assert sorted((dt.name, shape) for dt, shape in calls) == [
         ("float32", (15,)),  # three float32 leaves in one transfer
         ("float64", (1,)),  # alone: passed as is
