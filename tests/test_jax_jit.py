@@ -248,6 +248,18 @@ def test_async_op_under_jit_is_invalid(mesh: DeviceMesh) -> None:
         f(jnp.ones(2))
 
 
+def test_ops_without_a_gradient_run_under_jit_and_refuse_only_a_gradient(
+    mesh: DeviceMesh,
+) -> None:
+    x = jnp.arange(3.0) + 2
+    assert np.array_equal(jax.jit(lambda a: ops.pprod(a, "x", mesh=mesh))(x), np.asarray(x))
+    bits = jax.jit(lambda a: ops.all_reduce(a, "x", "bxor", mesh=mesh))(jnp.arange(3))
+    assert np.array_equal(bits, np.arange(3))
+    grad = jax.jit(jax.grad(lambda a: ops.pprod(a, "x", mesh=mesh).sum()))
+    with pytest.raises(InvalidArgument, match=r"^pprod over 'x' .*pprod has no gradient"):
+        grad(x)
+
+
 def test_argument_errors_are_raised_while_tracing(mesh: DeviceMesh) -> None:
     f = jax.jit(lambda a: ops.psum_scatter(a, "x", mesh=mesh))
     with pytest.raises(InvalidArgument, match=r"^psum_scatter over 'x' \(size 1\) on rank 0"):

@@ -141,7 +141,7 @@ def _reduce(
                 _reduce, name, axis_name=axis_name, mesh=axis.mesh, async_op=False, op=op,
                 factor=factor, jax_bool=jax_bool, mean=mean,
             )  # fmt: skip
-            call = Call(axis.where, forward, _reduce_transpose(axis, axis_name, op, factor))
+            call = Call(axis.where, forward, _rule_for(kind, axis, axis_name, op, factor))
             call.needs_primals = op in _ORDERED
             return apply(kind, call, x, async_op)
     if factor is None and not async_op and arr is not None:
@@ -179,6 +179,23 @@ _KERNELS: dict[tuple[ReduceOp, int, bool, bool], _Reduce] = {}
 def _stage_params(name: str, op: ReduceOp, factor: Any) -> dict[str, Any]:
     """The operator arguments of a reduction in traced code (only all_reduce has any)."""
     return {"op": op.value, "factor": factor} if name == "all_reduce" else {}
+
+
+def _rule_for(kind: str, axis: Axis, axis_name: AxisName, op: ReduceOp, factor: Any) -> Any:
+    """The backward rule for a call of ``kind``: under ``jax.jit`` a call without a gradient
+    (pprod, the bitwise ops) is staged too, so its missing rule raises only if a gradient is
+    asked of it; torch and jax.grad calls need it now (they differentiate)."""
+    try:
+        return _reduce_transpose(axis, axis_name, op, factor)
+    except InvalidArgument as exc:
+        if kind != "jit":
+            raise
+        error = exc
+
+    def missing(cts: Any, xs: Any, ys: Any) -> Any:
+        raise error
+
+    return missing
 
 
 def _reduce_transpose(axis: Axis, axis_name: AxisName, op: ReduceOp, factor: Any) -> Any:
