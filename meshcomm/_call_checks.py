@@ -224,8 +224,12 @@ def judged(
     if _verdict.is_mismatch(text):  # the ranks were in different calls: not a hang
         _report.timed_out(text)
         return MismatchTimeout(f"{text}\n  (timed out: {exc})")
-    _report.timed_out(f"{exc}\n  verdict: {text}" if text else str(exc))
-    return CommTimeout(f"{exc}\n  verdict: {text}") if text else exc
+    if not text:
+        _report.timed_out(str(exc))
+        return exc
+    # The verdict first, in the user's words; what this rank's transport waited for after.
+    _report.timed_out(f"{text}\n  timed out: {exc}")
+    return CommTimeout(f"{text}\n  timed out: {exc}")
 
 
 def stamped(

@@ -230,4 +230,4 @@ def report(
             f"{_ranks(absent)} never reached {call} {called} and did not answer within "
             f"{grace:g} s: gone, or stuck where Python cannot run"
         )
-    return "; ".join(parts[:1]) + "".join(f"\n  verdict: {p}" for p in parts[1:])
+    return "; ".join(parts[:1]) + "".join(f"\n  also: {p}" for p in parts[1:])

@@ -736,7 +736,7 @@ def test_with_a_store_a_timeout_says_where_the_lagging_rank_is() -> None:
     results = run_case(3, "verdict_with_store", str(port), timeout=60)
     assert results[2] == "slept"
     for message in results[:2]:
-        assert "verdict: rank 2 has not entered all_reduce #2 on group 'world'" in message, message
+        assert "rank 2 has not entered all_reduce #2 on group 'world'" in message, message
         assert "it is alive but has not called a collective for" in message, message
         assert "its last completed collective there was all_reduce #1 at test_mpi.py:" in message
 
