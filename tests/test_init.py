@@ -370,7 +370,7 @@ def test_mpiexec_finds_the_store_through_mpi(tmp_path: Path, n: int) -> None:
 
 
 @pytest.mark.mpi
-def test_mpiexec_selects_the_mpi_backend_without_a_store(tmp_path: Path) -> None:
+def test_mpiexec_selects_the_mpi_backend_and_serves_its_own_store(tmp_path: Path) -> None:
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed (pip install meshcomm[mpi])")
     mpiexec = _mpiexec()
@@ -381,7 +381,8 @@ def test_mpiexec_selects_the_mpi_backend_without_a_store(tmp_path: Path) -> None
         (r, 3, "ok") for r in range(3)
     ]
     assert {r["backend"] for r in results} == {"mpi"}, results
-    assert {r["store"] for r in results} == {None}, results
+    # No store was given: rank 0 serves one for verdicts, its address and secret sent over MPI.
+    assert {r["store"] for r in results} == {"PrefixStore"}, results
     assert [r["hosts_server"] for r in results] == [False] * 3
     # MESHCOMM_BACKEND names another backend: the usual store rendezvous over MPI.
     env = ranks.clean_env({"MESHCOMM_BACKEND": "tcp"})
