@@ -383,7 +383,7 @@ def test_mpiexec_selects_the_mpi_backend_and_serves_its_own_store(tmp_path: Path
     assert {r["backend"] for r in results} == {"mpi"}, results
     # No store was given: rank 0 serves one for verdicts, its address and secret sent over MPI.
     assert {r["store"] for r in results} == {"PrefixStore"}, results
-    assert [r["hosts_server"] for r in results] == [False] * 3
+    assert [r["hosts_server"] for r in results] == [True, False, False]
     # MESHCOMM_BACKEND names another backend: the usual store rendezvous over MPI.
     env = ranks.clean_env({"MESHCOMM_BACKEND": "tcp"})
     results = ranks.launch_mpi(mpiexec, 2, env, _cfg(timeout=60), tmp_path, 120)
