@@ -23,12 +23,12 @@ Example:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import pkgutil
 import sys
 from typing import Any
+
+from meshcomm._after_import import after_import
 
 __all__ = ["arm", "register", "skipped_paths"]
 
@@ -74,42 +74,5 @@ def register() -> None:
 
 def arm() -> None:
     """Register now if Dynamo is loaded, else as soon as it is (an import hook)."""
-    if _DONE:
-        return
-    if _RULES in sys.modules:
-        register()
-    elif not any(isinstance(f, _AfterRules) for f in sys.meta_path):
-        # First: a finder placed before it that finds this name would keep ours unasked.
-        sys.meta_path.insert(0, _AfterRules())
-
-
-class _AfterRules(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of Dynamo's rules to register after them."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _RULES:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfter(spec.loader)
-        return spec
-
-
-class _RegisterAfter(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._inner.exec_module(module)
-        try:
-            register()
-        except Exception:  # torch's import must not fail because of us
-            _DONE.clear()
+    if not _DONE:
+        after_import(_RULES, register)

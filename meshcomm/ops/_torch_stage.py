@@ -23,12 +23,11 @@ Example:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from meshcomm._after_import import after_import
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops._resolve import resolve
 from meshcomm.ops._torch_names import group_name
@@ -60,41 +59,8 @@ def arm() -> None:
     meets an op; importing ``torch._dynamo`` (1.5 s) for code that never compiles would
     tax every torch user, so an import hook waits for whoever imports it first.
     """
-    if "torch._dynamo" in sys.modules:
-        install()
-    elif not any(isinstance(f, _AfterDynamo) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDynamo())
-
-
-class _AfterDynamo(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of ``torch._dynamo`` to install after it."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch._dynamo":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _InstallAfter(spec.loader)
-        return spec
-
-
-class _InstallAfter(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._inner.exec_module(module)
-        try:
-            install()
-        except Exception:  # torch's import must not fail because of us; tracing() retries
-            _CHECK.clear()
+    if not _CHECK:
+        after_import("torch._dynamo", install)
 
 
 def install() -> None:
