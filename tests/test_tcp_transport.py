@@ -379,7 +379,7 @@ def test_listener_of_another_job_is_refused() -> None:
         server.start()
         zero = Transport.start(0, 2, store, TIMEOUT)
         try:
-            with pytest.raises(ProtocolError, match=r"job token .* differs"):
+            with pytest.raises(ProtocolError, match=r"job token differs"):
                 zero.send_array(0, 0, 1, np.arange(3))
             with pytest.raises(ProtocolError, match="already failed"):
                 zero.exchange(0, -1, [], [(1, memoryview(bytearray(4)))])
