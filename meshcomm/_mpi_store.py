@@ -35,6 +35,7 @@ from typing import Any
 
 from meshcomm._secret import new_secret
 from meshcomm.errors import MeshCommError
+from meshcomm.launch import _mpi_wait
 from meshcomm.rendezvous import Rendezvous, rendezvous, storeless_rendezvous
 
 __all__ = ["MPI_STORE_ENV", "mpi_rendezvous", "wants_store"]
@@ -157,27 +158,16 @@ def _open(
     return store, why or "a rank could not join rank 0's store"
 
 
-def _wait(request: Any, deadline: float, what: str) -> None:
-    from meshcomm.errors import RendezvousError
-
-    delay = 0.0005
-    while not request.Test():
-        if time.monotonic() >= deadline:
-            raise RendezvousError(f"MPI {what} did not complete within the timeout")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
 def _bcast_secret(mpi: Any, comm: Any, secret: str, deadline: float) -> str:
     buf = bytearray(_SECRET_BYTES)
     raw = secret.encode()
     buf[: len(raw)] = raw
-    _wait(comm.Ibcast([buf, mpi.BYTE], root=0), deadline, "store secret broadcast")
+    _mpi_wait(comm.Ibcast([buf, mpi.BYTE], root=0), deadline, "store secret broadcast")
     return bytes(buf).rstrip(b"\0").decode()
 
 
 def _all_joined(mpi: Any, comm: Any, mine: bool, deadline: float) -> bool:
     send = array.array("i", [1 if mine else 0])
     recv = array.array("i", [0])
-    _wait(comm.Iallreduce([send, mpi.INT], [recv, mpi.INT], op=mpi.MIN), deadline, "join check")
+    _mpi_wait(comm.Iallreduce([send, mpi.INT], [recv, mpi.INT], op=mpi.MIN), deadline, "join check")
     return recv[0] == 1
