@@ -12,6 +12,7 @@ below (an MPI world that timed out cannot be used again).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,7 +105,9 @@ def _check_sleep(err: str, size: int, where: str) -> None:
     warning = err.index(_WARNING)
     assert warning < min(err.index(f"rank {r}: CommTimeout") for r in range(sleeper)), err
     text = err[warning : err.index("\n", err.index("so far:", warning))]
-    assert "has waited 2 s in psum #2" in text and "fails after 6 s (MESHCOMM_TIMEOUT" in text
+    # Warned at 2 s; a loaded machine may print it a second later.
+    assert re.search(r"has waited [23] s in psum #2", text), text
+    assert "fails after 6 s (MESHCOMM_TIMEOUT" in text, text
     assert f"so far: rank {sleeper} has not entered psum #2" in text, text
 
 
