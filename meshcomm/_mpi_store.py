@@ -1,16 +1,24 @@
-"""A store for every mpi world: rank 0 serves one, MPI carries its address and a secret.
+"""A store for every mpi world: the launcher's, else rank 0 serves one over MPI.
 
 MPI brings the ranks of an mpi world together by itself, so that world needs no store to
 form. It needs one to explain a hang: the hang verdicts (:mod:`meshcomm._verdict`), the
 responders that answer them (:mod:`meshcomm._responder`) and the early hang warning
 (:mod:`meshcomm._hang_warn`) all go through the job's store. So when ``meshcomm.init()``
-makes an mpi world without a store or store URL (under ``mpiexec``, ``srun`` or ``meshrun
---backend mpi``), rank 0 starts a :class:`~meshcomm.store.TCPStore` server on a free port,
-with a fresh secret, and broadcasts the address and the secret over ``MPI_COMM_WORLD``
-(:func:`meshcomm.launch.mpi_share_store_address`, then one more broadcast); the others
-join it. The secret never enters an environment, so no other job can read it, and the
-server admits only the ranks that MPI told it to. It stops at ``meshcomm.shutdown()``, when
-every rank has left, as a tcp world's does.
+makes an mpi world without a store or store URL:
+
+- under ``meshrun --backend mpi``, the ranks join the store meshrun serves for the job
+  (``MESHCOMM_STORE_HOSTED=1`` with ``MESHCOMM_MASTER_ADDR``/``MESHCOMM_MASTER_PORT`` and
+  the job's ``MESHCOMM_SECRET``, as for a tcp job), with no MPI step: no rank holds the
+  store, so a verdict still names rank 0 when rank 0 is the one stuck (even where Python
+  cannot run, as in a C call that holds the GIL);
+- otherwise (``mpiexec``, ``srun``), rank 0 starts a :class:`~meshcomm.store.TCPStore`
+  server on a free port, with a fresh secret, and broadcasts the address and the secret
+  over ``MPI_COMM_WORLD`` (:func:`meshcomm.launch.mpi_share_store_address`, then one more
+  broadcast); the others join it. The secret never enters an environment, so no other job
+  can read it, and the server admits only the ranks that MPI told it to. It stops at
+  ``meshcomm.shutdown()``, when every rank has left, as a tcp world's does. While rank 0
+  cannot run Python (a C call holding the GIL, a debugger), its store cannot answer either,
+  and the others' timeouts carry no verdict.
 
 Every MPI step is non-blocking and polled until the world's timeout. If the store cannot be
 made (rank 0 cannot bind, a rank cannot reach it), every rank learns it through one more
@@ -22,6 +30,9 @@ Example:
     False
     >>> wants_store({}, 1)  # a world of one has nobody to ask
     False
+    >>> launcher_serves({"MESHCOMM_STORE_HOSTED": "1", "MESHCOMM_MASTER_ADDR": "127.0.0.1",
+    ...                  "MESHCOMM_MASTER_PORT": "40001", "PMI_RANK": "0", "PMI_SIZE": "2"})
+    True
 """
 
 from __future__ import annotations
@@ -35,10 +46,10 @@ from typing import Any
 
 from meshcomm._secret import new_secret
 from meshcomm.errors import MeshCommError
-from meshcomm.launch import _mpi_wait
+from meshcomm.launch import _mpi_wait, detect_launch
 from meshcomm.rendezvous import Rendezvous, rendezvous, storeless_rendezvous
 
-__all__ = ["MPI_STORE_ENV", "mpi_rendezvous", "wants_store"]
+__all__ = ["MPI_STORE_ENV", "launcher_serves", "mpi_rendezvous", "wants_store"]
 
 #: ``0`` leaves an mpi world without a store (no hang verdicts, no early hang warning).
 MPI_STORE_ENV = "MESHCOMM_MPI_STORE"
@@ -51,6 +62,12 @@ def wants_store(env: Mapping[str, str], world_size: int) -> bool:
     """Whether an mpi world of ``world_size`` ranks gets a store of its own."""
     off = env.get(MPI_STORE_ENV, "").strip().lower() in ("0", "off", "false", "no")
     return world_size > 1 and not off
+
+
+def launcher_serves(env: Mapping[str, str]) -> bool:
+    """Whether the launcher serves the job's store and names it (``meshrun --backend mpi``)."""
+    info = detect_launch(env)
+    return info.store_host == "launcher" and None not in (info.master_addr, info.master_port)
 
 
 def mpi_rendezvous(
@@ -72,12 +89,13 @@ def mpi_rendezvous(
         generation: how many worlds this process made before (keeps store keys apart).
 
     Returns:
-        The rendezvous: with a store (``owns_store``; rank 0 ``hosts_server``), or without
-        one when it is not wanted, MPI's view differs from the launcher's (the backend then
-        says so), or the store could not be made.
+        The rendezvous: with a store (``owns_store``; rank 0 ``hosts_server`` when no
+        launcher serves it), or without one when it is not wanted, MPI's view differs from
+        the launcher's (the backend then says so), or rank 0's store could not be made.
 
     Raises:
-        RendezvousError: the ranks could not agree through the store (e.g. a rank missing).
+        RendezvousError: the ranks could not agree through the store (e.g. a rank missing),
+            or the store the launcher names could not be reached.
     """
     bare = storeless_rendezvous(world_size, rank, seconds, env=env)
     if not wants_store(env, bare.world_size):
@@ -91,6 +109,11 @@ def mpi_rendezvous(
     comm = mpi.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (bare.rank, bare.world_size):
         return bare  # not one MPI job: the backend refuses with both views named
+    if launcher_serves(env):
+        agreed = rendezvous(
+            None, bare.world_size, bare.rank, seconds, env=env, generation=generation
+        )
+        return _as_mpi(agreed, bare, f"{agreed.address} (the launcher's)")
     deadline = time.monotonic() + seconds
     store, why = _open(mpi, comm, bare.rank, bare.world_size, seconds, deadline)
     if store is None:
@@ -109,15 +132,19 @@ def mpi_rendezvous(
     except BaseException:
         store.close()
         raise
-    hosts = store.server is not None
+    # Closed at shutdown; rank 0's server waits for every rank first.
+    agreed = dataclasses.replace(agreed, owns_store=True, hosts_server=store.server is not None)
+    return _as_mpi(agreed, bare, f"tcp://{store.address} (rank 0's, over MPI)")
+
+
+def _as_mpi(agreed: Rendezvous, bare: Rendezvous, address: str) -> Rendezvous:
+    """The store's rendezvous, with who this process is as the MPI launcher says."""
     return dataclasses.replace(
         agreed,
         local_rank=bare.local_rank,
         local_world_size=bare.local_world_size,
         launcher=bare.launcher,
-        address=f"tcp://{store.address} (rank 0's, over MPI)",
-        owns_store=True,  # closed at shutdown; rank 0's server waits for every rank first
-        hosts_server=hosts,
+        address=address,
     )
 
 

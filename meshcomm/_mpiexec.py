@@ -14,7 +14,11 @@ process. The user sees what meshrun shows for its own ranks:
   were seen mapped by the job's own processes and nothing maps them any more
   (:mod:`meshcomm._mpich_shm`).
 
-``meshcomm.init()`` in the ranks picks the mpi backend (``MESHCOMM_BACKEND=mpi``).
+``meshcomm.init()`` in the ranks picks the mpi backend (``MESHCOMM_BACKEND=mpi``). meshrun
+serves the job's store itself, as it does for tcp jobs, and names it to the ranks
+(``MESHCOMM_MASTER_ADDR``, ``MESHCOMM_MASTER_PORT``, ``MESHCOMM_STORE_HOSTED=1``, with the
+job's ``MESHCOMM_SECRET``): the hang verdicts then go through a store that no rank holds, so
+they still name rank 0 when rank 0 itself is stuck (:mod:`meshcomm._mpi_store`).
 
 Example:
     >>> mpiexec_command("/venv/bin/mpiexec", 4, ("/venv/bin/python", "train.py", "--lr", "1"))
@@ -89,17 +93,25 @@ def _is_python(program: str) -> bool:
 
 
 def mpi_environment(
-    nprocs: int, prefix: bool, base: Mapping[str, str] | None = None
+    nprocs: int,
+    prefix: bool,
+    base: Mapping[str, str] | None = None,
+    store: tuple[str, int] | None = None,
 ) -> dict[str, str]:
     """The environment ``mpiexec`` starts the ranks with.
 
     meshrun's and torchrun's variables from an outer launcher are dropped (they would make
-    ``meshcomm.init`` take the ranks for separate processes); ``MESHCOMM_BACKEND=mpi``.
+    ``meshcomm.init`` take the ranks for separate processes); ``MESHCOMM_BACKEND=mpi``;
+    ``store``, the (host, port) of the store meshrun serves, as meshcomm's own variables
+    (never ``MASTER_ADDR``/``MASTER_PORT``, which torch's ``env://`` would take as its own).
 
     Example:
         >>> env = mpi_environment(2, True, base={"RANK": "3", "HOME": "/root"})
         >>> sorted(env)
         ['HOME', 'MESHCOMM_BACKEND', 'MESHCOMM_OUTPUT_PREFIX', 'OMP_NUM_THREADS', 'PYTHONUNBUFFERED']
+        >>> env = mpi_environment(2, False, base={}, store=("127.0.0.1", 40001))
+        >>> env["MESHCOMM_MASTER_ADDR"], env["MESHCOMM_MASTER_PORT"], env["MESHCOMM_STORE_HOSTED"]
+        ('127.0.0.1', '40001', '1')
     """  # noqa: E501
     env = dict(os.environ if base is None else base)
     torchrun = rank_environment(
@@ -113,6 +125,9 @@ def mpi_environment(
         env["MESHCOMM_OUTPUT_PREFIX"] = _PREFIX
     if nprocs > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
+    if store is not None:
+        env["MESHCOMM_MASTER_ADDR"], env["MESHCOMM_MASTER_PORT"] = store[0], str(store[1])
+        env["MESHCOMM_STORE_HOSTED"] = "1"
     return env
 
 
@@ -125,6 +140,7 @@ def launch_mpiexec(
     grace_period: float,
     stop_signals: list[int],
     secret: str | None = None,
+    store: tuple[str, int] | None = None,
 ) -> int:
     """Run the job; return meshrun's exit status.
 
@@ -137,9 +153,11 @@ def launch_mpiexec(
         stop_signals: filled by meshrun's signal handler with the signals it receives.
         secret: the job's ``MESHCOMM_SECRET``, passed to the ranks through mpiexec's
             environment (which it forwards); None: the ranks get none (unauthenticated).
+        store: the (host, port) of the store meshrun serves for the job; None: rank 0
+            serves one itself (:mod:`meshcomm._mpi_store`).
     """
     argv = mpiexec_command(mpiexec, nprocs, command)
-    env = mpi_environment(nprocs, prefix)
+    env = mpi_environment(nprocs, prefix, store=store)
     if secret:
         env[SECRET_ENV] = secret
     else:

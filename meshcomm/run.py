@@ -19,7 +19,8 @@ store there as it does without torchrun's agent (:mod:`meshcomm._run_torch_port`
 
 ``--backend mpi`` starts the ranks as one MPI job instead, through ``mpiexec`` (see
 :mod:`meshcomm._mpiexec`): same output labels, same stop-everything-on-failure, same exit
-status. ``--backend NAME`` otherwise sets ``MESHCOMM_BACKEND`` for ``meshcomm.init()``.
+status, and the same store served by the launcher (for the hang verdicts). ``--backend
+NAME`` otherwise sets ``MESHCOMM_BACKEND`` for ``meshcomm.init()``.
 
 Output lines are prefixed ``[rank3] ``. If a rank fails, the others get SIGTERM, then
 SIGKILL after ``--grace-period`` seconds; ``meshrun`` prints which rank failed and the tail of
@@ -288,21 +289,41 @@ def _run_attempt(
 
 
 def _launch_mpi(config: LaunchConfig) -> int:
+    """One MPI job through ``mpiexec``, beside the store this launcher serves for it.
+
+    The store is the one a tcp job gets (``--master-addr``/``--master-port``, the job's
+    secret); the ranks join it instead of one that their rank 0 would serve
+    (:mod:`meshcomm._mpi_store`), so a verdict still names rank 0 when rank 0 is stuck.
+    """
+    from meshcomm._mpi_store import wants_store
     from meshcomm._mpiexec import launch_mpiexec
 
     if config.mpiexec is None:  # parse_args finds one; a hand-made LaunchConfig may not
         print("meshrun: backend 'mpi' needs an mpiexec (LaunchConfig.mpiexec)", file=sys.stderr)
         return 1
-    with catch_stop_signals(config.torchrun.stop_signals) as (_, received, _handlers):
-        return launch_mpiexec(
-            config.mpiexec,
-            config.nproc_per_node,
-            config.command,
-            prefix=config.prefix,
-            grace_period=config.grace_period,
-            stop_signals=received,
-            secret=config.secret,
-        )
+    server = None
+    if wants_store(os.environ, config.nproc_per_node):
+        try:
+            server = _host_store(config)
+        except (MeshCommError, OSError) as exc:  # names the address and the reason
+            print(f"meshrun: {exc}", file=sys.stderr)
+            return 1
+        server.start()
+    try:
+        with catch_stop_signals(config.torchrun.stop_signals) as (_, received, _handlers):
+            return launch_mpiexec(
+                config.mpiexec,
+                config.nproc_per_node,
+                config.command,
+                prefix=config.prefix,
+                grace_period=config.grace_period,
+                stop_signals=received,
+                secret=config.secret,
+                store=None if server is None else (config.master_addr, server.port),
+            )
+    finally:
+        if server is not None:
+            server.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """Hang verdicts and the early hang warning in mpi worlds (issue 33 items 2 and 6), and the
 warning on tcp, at worlds 2 and 4.
 
-MPI worlds get a store from rank 0 (``meshcomm._mpi_store``), so a timeout names the rank
-that is behind and where, under a bare ``mpiexec`` and under ``meshrun --backend mpi``; ranks
+MPI worlds get a store (``meshcomm._mpi_store``: meshrun's under ``meshrun --backend mpi``,
+else one rank 0 serves), so a timeout names the rank that is behind and where, under a bare
+``mpiexec`` and under meshrun, rank 0 included (even stuck where Python cannot run); ranks
 in the same call with different arguments raise ``MismatchError`` naming both calls when the
 timeout fires; and a collective still waiting after ``MESHCOMM_HANG_WARN`` seconds prints
 the verdict so far, once per job, before it fails. Each scenario is one launch of the job
@@ -26,22 +27,25 @@ from test_mpi import SKIP as MPI_SKIP
 # Every rank catches its error and prints it to stderr as one line ("rank R: Type: text"),
 # so the job exits 0 and meshrun's run_mpi does not abort the others mid-verdict.
 _JOB = """
-import sys, time, numpy as np, meshcomm
+import ctypes, sys, time, numpy as np, meshcomm
 from meshcomm import ops
 from meshcomm.errors import CommError
 
-how = sys.argv[1]
+how = sys.argv[1]  # then the seconds to sleep, and the odd rank (default: the last)
 world = meshcomm.init()
 mesh = meshcomm.init_device_mesh((world.size,), mesh_dim_names=("dp",))
 x = np.ones(4, np.float32)
 ops.psum(x, "dp", mesh=mesh)  # op #1: float32[4] is checked once on mpi, then known
-last = world.rank == world.size - 1
+odd = world.rank == (int(sys.argv[3]) if len(sys.argv) > 3 else world.size - 1)
 try:
-    if how == "sleep" and last:
+    if how == "sleep" and odd:
         time.sleep(float(sys.argv[2]))
         text = "slept"
+    elif how == "stuck" and odd:  # sleep in C holding the GIL: none of its threads runs
+        ctypes.PyDLL(None).sleep(int(sys.argv[2]))
+        text = "slept"
     else:
-        if how == "mismatch" and last:
+        if how == "mismatch" and odd:
             x = x.astype(np.int32)  # new to this rank: mpi checks it, the others do not
         ops.psum(x, "dp", mesh=mesh)  # THE CALL
         text = "no error"
@@ -90,12 +94,14 @@ def _meshrun(
     return proc.returncode, out, err
 
 
-def _check_sleep(err: str, size: int, where: str) -> None:
-    """Every waiting rank names the sleeper; the warning came once, before the errors."""
+def _check_sleep(err: str, size: int, where: str, sleeper: int | None = None) -> None:
+    """Every waiting rank names the sleeper (default: the last rank); the warning came once,
+    before the errors."""
     lines = _errors(err, size)
-    sleeper = size - 1
+    sleeper = size - 1 if sleeper is None else sleeper
+    waiters = [r for r in range(size) if r != sleeper]
     assert lines.get(sleeper) == f"rank {sleeper}: slept", err[-3000:]
-    for r in range(sleeper):
+    for r in waiters:
         line = lines.get(r, "")
         assert line.startswith(f"rank {r}: CommTimeout"), err[-3000:]
         assert f"rank {sleeper} has not entered psum #2" in line, line
@@ -103,7 +109,7 @@ def _check_sleep(err: str, size: int, where: str) -> None:
         assert "at job.py:14 in <module>" in line, line  # the sleeper's line: time.sleep
     assert err.count(_WARNING) == 1, f"{where}: one warning per job\n{err[-3000:]}"
     warning = err.index(_WARNING)
-    assert warning < min(err.index(f"rank {r}: CommTimeout") for r in range(sleeper)), err
+    assert warning < min(err.index(f"rank {r}: CommTimeout") for r in waiters), err
     text = err[warning : err.index("\n", err.index("so far:", warning))]
     # Warned at 2 s; a loaded machine may print it a second later.
     assert re.search(r"has waited [23] s in psum #2", text), text
@@ -123,7 +129,7 @@ def _check_mismatch(err: str, size: int) -> None:
         ]
         assert f"{others} called psum(float32[4], sum)" in line, line
         assert f"rank {last} called psum(int32[4], sum)" in line, line
-        assert line.count("at job.py:19 (op #2)") == 2, line
+        assert line.count("at job.py:22 (op #2)") == 2, line
 
 
 # -- mpi, under a bare mpiexec ------------------------------------------------------------------
@@ -160,17 +166,41 @@ def test_mpiexec_world_without_store_when_turned_off(tmp_path: Path) -> None:
 # -- meshrun --backend mpi, and the warning on tcp ----------------------------------------------
 @mpi
 @pytest.mark.slow
-def test_meshrun_mpi_sleeping_rank_is_named_after_one_warning(tmp_path: Path) -> None:
-    rc, _, err = _meshrun(tmp_path, "mpi", 4, ["sleep", "9"], _SLEEP_ENV)
+@pytest.mark.parametrize("sleeper", [0, 3])
+def test_meshrun_mpi_sleeping_rank_is_named_after_one_warning(tmp_path: Path, sleeper: int) -> None:
+    """Rank 0 too: the store is meshrun's, so the verdict never waits on the sleeper."""
+    rc, _, err = _meshrun(tmp_path, "mpi", 4, ["sleep", "9", str(sleeper)], _SLEEP_ENV)
     assert rc == 0, err[-3000:]
-    _check_sleep(err, 4, "meshrun --backend mpi")
+    _check_sleep(err, 4, "meshrun --backend mpi", sleeper)
 
 
 @mpi
-def test_meshrun_mpi_int32_against_float32_is_a_mismatch_error(tmp_path: Path) -> None:
-    rc, _, err = _meshrun(tmp_path, "mpi", 2, ["mismatch"], _MISMATCH_ENV)
+@pytest.mark.slow
+def test_meshrun_mpi_names_a_rank_0_that_python_cannot_run_in(tmp_path: Path) -> None:
+    """Rank 0 sleeps in C holding the GIL, so neither its responder nor a store it served
+    could answer; meshrun's store does, and every other rank names rank 0 in time."""
+    start = time.monotonic()
+    rc, _, err = _meshrun(tmp_path, "mpi", 4, ["stuck", "9", "0"], _SLEEP_ENV)
     assert rc == 0, err[-3000:]
-    _check_mismatch(err, 2)
+    lines = _errors(err, 4)
+    assert lines.get(0) == "rank 0: slept", err[-3000:]
+    for r in (1, 2, 3):
+        line = lines.get(r, "")
+        assert line.startswith(f"rank {r}: CommTimeout: rank 0 never reached psum #2"), line
+        assert "by ranks 1, 2, 3) and did not answer" in line, line
+        assert "stuck where Python cannot run" in line, line
+    # Said while rank 0 still sleeps (a store rank 0 served would hold it until rank 0 woke).
+    assert err.index("rank 1: CommTimeout") < err.index("rank 0: slept"), err[-3000:]
+    assert err.count(_WARNING) == 1, err[-3000:]
+    assert time.monotonic() - start < 60
+
+
+@mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_meshrun_mpi_int32_against_float32_is_a_mismatch_error(tmp_path: Path, size: int) -> None:
+    rc, _, err = _meshrun(tmp_path, "mpi", size, ["mismatch"], _MISMATCH_ENV)
+    assert rc == 0, err[-3000:]
+    _check_mismatch(err, size)
 
 
 @pytest.mark.slow
@@ -192,5 +222,5 @@ def test_tcp_mismatch_is_still_caught_at_once(tmp_path: Path) -> None:
     for r, line in _errors(err, 2).items():
         assert line.startswith(f"rank {r}: MismatchError: ranks disagree"), err[-3000:]
         assert "rank 1 called psum(int32[4], sum)" in line, line
-        assert line.count("at job.py:19 (op #2)") == 2, line
+        assert line.count("at job.py:22 (op #2)") == 2, line
     assert time.monotonic() - start < 25, err[-3000:]
