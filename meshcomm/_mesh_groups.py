@@ -4,11 +4,18 @@
 made so far, one per ordered tuple of axes; :mod:`meshcomm.mesh` asks it for the group of
 some axes and it makes each one once (collective over that group's members only).
 
+A group made for some axes is named by them, in the mesh's axis names, with the coordinates
+of the other axes that pick this rank's slice (axes of length 1 left out):
+``world/tp (dp=0)``, ``world/(tp,dp)``, ``world/tp (pp=1, dp=0)``. Errors, verdicts and
+``MESHCOMM_TRACE``'s tracks show that name, so a user reads the axes they wrote.
+
 Example:
     >>> import numpy as np
-    >>> groups = MeshGroups(np.arange(4).reshape(2, 2), None)  # None: the world, when needed
+    >>> groups = MeshGroups(np.arange(4).reshape(2, 2), None, ("dp", "tp"))  # None: the world
     >>> groups.members((1,), (1, 0))  # the ranks of axis 1 through coordinate (1, 0)
     (2, 3)
+    >>> groups.name_of("world", (1,), (1, 0)), groups.name_of("world", (1, 0), (1, 0))
+    ('world/tp (dp=1)', 'world/(tp,dp)')
 """
 
 from __future__ import annotations
@@ -29,10 +36,19 @@ __all__ = ["MeshGroups"]
 
 class MeshGroups:
     """What a mesh shares with every mesh sliced or flattened from it: the full grid, the
-    process group its ranks live in, and the groups made so far (one lock guards them)."""
+    process group its ranks live in, and the groups made so far (one lock guards them).
 
-    def __init__(self, grid: np.ndarray, group: ProcessGroup | None) -> None:
+    Args:
+        grid: the global ranks, one axis per mesh axis.
+        group: the group whose ranks the grid holds (None: the world).
+        names: the axes' names, for the groups' names (default ``dim0``, ``dim1``, ...).
+    """
+
+    def __init__(
+        self, grid: np.ndarray, group: ProcessGroup | None, names: Sequence[str] = ()
+    ) -> None:
         self.grid = grid
+        self.names = tuple(names) or tuple(f"dim{a}" for a in range(grid.ndim))
         self._parent = group
         if group is not None:
             self.check_members(group)
@@ -90,6 +106,20 @@ class MeshGroups:
         moved = self.grid.transpose([*others, *axes])
         return tuple(int(r) for r in moved[tuple(coord[a] for a in others)].reshape(-1))
 
+    def name_of(self, base: str, axes: tuple[int, ...], coord: tuple[int, ...]) -> str:
+        """The name of the group over root ``axes`` through ``coord``, made from ``base``:
+        the axes as the mesh names them, then the coordinates of the other axes longer than
+        1 (which slice it is: the same on every member, other on every other slice)."""
+        words = [self.names[a] for a in axes]
+        over = words[0] if len(words) == 1 else f"({','.join(words)})"
+        shape = self.grid.shape
+        where = [
+            f"{self.names[a]}={coord[a]}"
+            for a in range(self.grid.ndim)
+            if a not in axes and shape[a] > 1
+        ]
+        return f"{base}/{over}" + (f" ({', '.join(where)})" if where else "")
+
     # -- groups (collective) -------------------------------------------------------------
     def base(self) -> ProcessGroup | None:
         """The group to split: the parent if the mesh covers it, else the mesh's ranks.
@@ -130,7 +160,10 @@ class MeshGroups:
             if tuple(int(r) for r in self.grid.flat) != tuple(parent.ranks):
                 return
             coord = self.coordinate(self.my_rank())
-            made = parent.grid_split(shape)
+            names = None
+            if coord is not None:
+                names = [self.name_of(parent.name, (a,), coord) for a in range(len(shape))]
+            made = parent.grid_split(shape, names)
             if made is None or coord is None:
                 return
             for axis, group in enumerate(made):
@@ -183,11 +216,7 @@ class MeshGroups:
                 else:
                     # Made by its members alone, so that a group may be used first on only
                     # the ranks that need it (ranks of other slices need not call).
-                    others = [a for a in range(self.grid.ndim) if a not in axes]
-                    shape = self.grid.shape
-                    color = _ravel([coord[a] for a in others], [shape[a] for a in others])
-                    label = ",".join(str(a) for a in axes)
-                    group = base.subgroup(members, f"{base.name}/axes({label}):{color}")
+                    group = base.subgroup(members, self.name_of(base.name, axes, coord))
             if tuple(group.ranks) != members:
                 raise CommError(
                     f"rank {me}: the group made for mesh axes {axes} has ranks "
@@ -195,10 +224,3 @@ class MeshGroups:
                 )
             self._groups[axes] = group
             return group
-
-
-def _ravel(index: Sequence[int], shape: Sequence[int]) -> int:
-    flat = 0
-    for i, n in zip(index, shape, strict=True):
-        flat = flat * n + i
-    return flat

@@ -214,7 +214,9 @@ class SubGroups:
         made: ProcessGroup = self._engine.submit(body, f"subgroup on {self._where}", False)
         return made
 
-    def grid_split(self: _Group, dims: Sequence[int]) -> list[ProcessGroup] | None:
+    def grid_split(
+        self: _Group, dims: Sequence[int], names: Sequence[str] | None = None
+    ) -> list[ProcessGroup] | None:
         """One group per axis of a row-major grid over this group's ranks, in one call.
 
         For a grid ``np.array(self.ranks).reshape(dims)``, axis ``d``'s group holds the ranks
@@ -224,8 +226,14 @@ class SubGroups:
         the others return None without communicating, and the caller splits per axis.
         Collective: every rank of the group calls it.
 
+        Args:
+            dims: the grid's shape.
+            names: this rank's group of each axis named so (a mesh names them by its axes);
+                default ``<name>/grid<n>:axis<d>``.
+
         Raises:
-            InvalidArgument: ``dims`` are not positive or do not multiply to the size.
+            InvalidArgument: ``dims`` are not positive or do not multiply to the size, or
+                ``names`` has not one name per axis.
             CommError: communication failed.
 
         Example:
@@ -240,15 +248,20 @@ class SubGroups:
                 f"{c.where}: dims must be positive and multiply to the group size {self.size}, "
                 f"got {list(shape)}"
             )
+        if names is not None and len(names) != len(shape):
+            raise InvalidArgument(
+                f"{c.where}: names must name each of the {len(shape)} axes, got {list(names)}"
+            )
         cart_subs = self._comm.grid_splitter()
         if cart_subs is None:
             return None
         self._children += 1
         name = f"{self.name}/grid{self._children}"
+        named = [f"{name}:axis{d}" for d in range(len(shape))] if names is None else names
 
         def body() -> list[ProcessGroup]:
             comms = cart_subs(shape)
-            return [self._child(comm, f"{name}:axis{d}") for d, comm in enumerate(comms)]
+            return [self._child(comm, str(named[d])) for d, comm in enumerate(comms)]
 
         result: list[ProcessGroup] = self._issue("grid_split", (body, {"args": shape}), False)
         return result

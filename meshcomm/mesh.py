@@ -182,7 +182,7 @@ class DeviceMesh:
         grid = _check_grid(mesh)
         self._grid = grid
         self._names = check_mesh_names(mesh_dim_names, grid.ndim)
-        self._root = MeshGroups(grid, group)
+        self._root = MeshGroups(grid, group, self._names)
         self._dims = tuple((d,) for d in range(grid.ndim))
 
     @classmethod

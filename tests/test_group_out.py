@@ -176,3 +176,47 @@ def test_read_only_and_overlapping_out_are_refused() -> None:
         g.all_reduce(base, "premul_sum", out=np.empty(6))
     assert _seq(g) == 0
     g.close()
+
+
+def mesh_axis_out_errors(world: ProcessGroup) -> dict[str, Any]:
+    """A bad ``out=`` on the groups of a (2, size / 2) mesh's axes: each error's words, then
+    a good call on the same group (the check left it working)."""
+    from meshcomm.mesh import DeviceMesh
+
+    mesh = DeviceMesh(np.arange(world.size).reshape(2, world.size // 2), ("dp", "tp"))
+    seen: dict[str, Any] = {}
+    for axis in ("tp", "dp", ("tp", "dp")):
+        group = mesh.get_group(axis)
+        x = np.ones(3, np.float32)
+        try:
+            group.all_reduce(x, out=np.empty(2, np.float32))
+        except InvalidArgument as exc:
+            words = str(exc)
+        else:
+            words = "no error"
+        out = np.empty(3, np.float32)
+        group.all_reduce(x, out=out)
+        seen[str(axis)] = (words, out.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_out_errors_name_the_mesh_axes_the_group_was_made_for(size: int) -> None:
+    """The group of a mesh axis is named by the axis and its slice (``world/tp (dp=1)``),
+    and its calls say which axes (``over 'tp'``): no internal name such as ``axes(1):0``.
+    An axis whose group is the world itself (the 'dp' of a 2x1 mesh) is named 'world'."""
+    half = size // 2
+    for rank, seen in enumerate(run_ranks(mesh_axis_out_errors, size, timeout=120)):
+        expected = {
+            "tp": f"in group 'world/tp (dp={rank // half})' over 'tp' (size {half})",
+            "dp": f"in group 'world/dp (tp={rank % half})' over 'dp' (size 2)",
+            "('tp', 'dp')": f"in group 'world/(tp,dp)' over ('tp', 'dp') (size {size})",
+        }
+        if size == 2:  # both the 'dp' axis and the tuple hold the world's ranks in order
+            expected["dp"] = expected["('tp', 'dp')"] = "in group 'world' (size 2)"
+        for axis, words in expected.items():
+            text, values = seen[axis]
+            assert text.startswith(f"all_reduce: rank {rank} {words}: out has shape (2,)"), text
+            assert "axes(" not in text
+            groups = {"tp": half, "dp": 2, "('tp', 'dp')": size}
+            assert values == [float(groups[axis])] * 3, seen

@@ -47,6 +47,49 @@ def test_trace_files_merge_and_name_the_straggler(tmp_path: Path) -> None:
     assert trace.main([str(tmp_path)]) == 0
 
 
+def _mesh_axes(world: ProcessGroup) -> list[str]:
+    """psum over 'tp' three times, over 'dp' twice, over ('dp', 'tp') once, on a
+    (2, size / 2) mesh; returns this rank's group names by axis."""
+    from meshcomm import ops
+    from meshcomm.mesh import DeviceMesh
+
+    mesh = DeviceMesh(np.arange(world.size).reshape(2, world.size // 2), ("dp", "tp"))
+    x = np.ones(4, np.float32)
+    for axis, times in (("tp", 3), ("dp", 2), (("dp", "tp"), 1)):
+        for _ in range(times):
+            ops.psum(x, axis, mesh=mesh)
+    return [mesh.get_group(axis).name for axis in ("tp", "dp")]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tracks_are_named_by_the_mesh_axes(tmp_path: Path, size: int) -> None:
+    """A mesh's groups are tracks named by the axes the user wrote and the slice's
+    coordinates (unique per slice, so the straggler report never mixes two groups)."""
+    env = {"MESHCOMM_TRACE": str(tmp_path)}
+    names = run_ranks(_mesh_axes, size, env=env, timeout=90)
+    half = size // 2
+    for rank, (tp, dp) in enumerate(names):
+        assert tp == f"world/tp (dp={rank // half})", names
+        assert dp == ("world" if size == 2 else f"world/dp (tp={rank % half})"), names
+        doc = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        tracks = {
+            e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"
+        }
+        spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        assert all(tracks[e["tid"]] == e["args"]["group"] for e in spans), (tracks, spans)
+        assert tp in tracks.values() and dp in tracks.values(), tracks
+        assert not any("axes(" in name for name in tracks.values()), tracks
+        on_tp = [e for e in spans if e["args"]["group"] == tp]
+        assert len(on_tp) == 3 and all(e["name"] == f"all_reduce {tp}" for e in on_tp)
+    merged, report = trace.merge(tmp_path)
+    assert json.loads(merged.read_text())["traceEvents"]
+    counts = {row["group"]: row["count"] for row in report}
+    if size == 4:  # each slice's group alone: 3 psums each, not 6 from two slices
+        assert counts["world/tp (dp=0)"] == counts["world/tp (dp=1)"] == 3, report
+        assert counts["world/dp (tp=0)"] == counts["world/dp (tp=1)"] == 2, report
+    assert trace.main([str(tmp_path)]) == 0
+
+
 def test_a_trace_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_text("")
