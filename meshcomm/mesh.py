@@ -43,6 +43,7 @@ import numpy as np
 
 from meshcomm._backend_spec import matches
 from meshcomm._mesh_groups import MeshGroups
+from meshcomm._mesh_order import agree_order
 from meshcomm._timeout import Timeout
 from meshcomm.errors import InvalidArgument
 from meshcomm.topology import gpu_order_arg, mesh_ranks
@@ -422,7 +423,12 @@ class DeviceMesh:
 
         The group's rank is this rank's coordinate along ``dim``. A tuple of dims gives the
         group over those axes together, ranked row-major in the order given (as
-        ``ops.psum(x, ("dp", "tp"))`` uses); its first use is one split.
+        ``ops.psum(x, ("dp", "tp"))`` uses); its first use is one split. As in
+        ``meshcomm.ops``, the first use of a tuple checks that every rank of its group names
+        the dims in the same order (one small all_gather over the group of the same dims in
+        mesh order): ranks that name ``("tp", "dp")`` where others name ``("dp", "tp")``
+        raise :class:`~meshcomm.errors.MismatchError` naming both, rather than waiting on
+        groups the others never make.
 
         Args:
             dim: a name or position, or a tuple of them; may be omitted on a 1-D mesh.
@@ -432,6 +438,7 @@ class DeviceMesh:
 
         Raises:
             InvalidArgument: unknown or repeated dims, or this rank is not in the mesh.
+            MismatchError: ranks named a tuple's dims in different orders.
             CommError: making the group failed.
 
         Example:
@@ -439,12 +446,16 @@ class DeviceMesh:
             >>> _ = world.init(world_size=1)
             >>> DeviceMesh([[0]], ("dp", "tp")).get_group("tp").size
             1
+            >>> DeviceMesh([[0]], ("dp", "tp")).get_group(("tp", "dp")).size
+            1
             >>> world.shutdown()
         """
         if dim is None:
             dims: tuple[int, ...] = (self._single_dim(None, "get_group"),)
         else:
             dims = self._dim_list(dim, "get_group")
+        if len(dims) > 1:
+            agree_order(self, dims, "get_group")
         return self._group_for_dims(dims)
 
     def _group_for_dims(self, dims: tuple[int, ...]) -> ProcessGroup:

@@ -73,7 +73,10 @@ def perm(world: Any) -> Any:
     pairs = [(0, 1)] if world.rank == 1 else [(i, (i + 1) % n) for i in range(n)]
     from meshcomm import ops
 
-    return ops.ppermute(np.ones(4, np.float32), "x", pairs, mesh=mesh)
+    out = ops.ppermute(np.ones(4, np.float32), "x", pairs, mesh=mesh)
+    # A rank whose own exchange agreed returns; it raises the mismatch in its next call.
+    ops.psum(np.ones(1, np.float32), "x", mesh=mesh)
+    return out
 
 
 def tiled(world: Any) -> Any:
@@ -114,6 +117,32 @@ def axes_order(world: Any) -> Any:
     return ops.psum(np.ones(2, np.float32) * world.rank, names, mesh=mesh)
 
 
+def get_group_order(world: Any) -> Any:
+    """``axes_order`` through ``mesh.get_group`` called directly: the same first-use check."""
+    shape = (2, world.size // 2)
+    mesh = _mesh(world, "get-group-order", shape, ("dp", "tp"))
+    names = ("tp", "dp") if world.rank % 2 else ("dp", "tp")
+    group = mesh.get_group(names)
+    return group.all_reduce(np.ones(2, np.float32) * world.rank)
+
+
+def mixed_order(world: Any) -> Any:
+    """Ranks 1 and 3 name ``("tp", "dp")`` in an op, the others ``("dp", "tp")`` in
+    ``get_group``: both routes take one check, so both sides raise."""
+    mesh = _mesh(world, "mixed-order", (2, world.size // 2), ("dp", "tp"))
+    from meshcomm import ops
+
+    if world.rank % 2:
+        return ops.psum(np.ones(2, np.float32), ("tp", "dp"), mesh=mesh)
+    return mesh.get_group(("dp", "tp")).all_reduce(np.ones(2, np.float32))
+
+
+def group_names(world: Any) -> Any:
+    """The names of a mesh's groups (on mpi, a 2x2 mesh's axes come from one grid split)."""
+    mesh = _mesh(world, "group-names", (2, world.size // 2), ("dp", "tp"))
+    return [g.name for g in mesh.get_all_groups()] + [mesh.get_group(("tp", "dp")).name]
+
+
 def over_words(world: Any) -> Any:
     """The words name the axes the user wrote when the group's name does not (a tuple over
     the whole mesh is the mesh's own group)."""
@@ -132,6 +161,9 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "split_axis": split_axis,
     "tree_tiled": tree_tiled,
     "axes_order": axes_order,
+    "get_group_order": get_group_order,
+    "mixed_order": mixed_order,
+    "group_names": group_names,
     "over_words": over_words,
 }
 
@@ -215,29 +247,18 @@ def test_pytrees_with_other_leaf_shapes_raise(backend: str, nprocs: int) -> None
 @pytest.mark.parametrize("nprocs", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_differing_perm_is_shown(backend: str, nprocs: int) -> None:
-    """On tcp a ppermute compares stamps only between the ranks that exchange frames, so at
-    world 4 a rank whose own send and receive agree (rank 3: from 2, to 0) may return its
-    ring result before rank 1's abort record reaches it; rank 1 (which compares) and rank 2
-    (which waits on rank 1) always raise. Every rank that raises says the same words."""
+    """On tcp a ppermute compares stamps only between the ranks that exchange frames: at
+    world 4 a rank whose own send and receive agree (rank 3: from 2, to 0) returns its ring
+    result, and raises at its next call (the case makes one)."""
     n = nprocs
     ring = [(i, (i + 1) % n) for i in range(n)]
-    fragments = (
+    _raised_alike(
+        "perm",
+        backend,
+        nprocs,
         "rank 1 called ppermute(float32[4], perm=[(0, 1)])",
         f"called ppermute(float32[4], perm={ring})",
     )
-    if backend == "mpi" or nprocs == 2:
-        _raised_alike("perm", backend, nprocs, *fragments)
-        return
-    seen = [r["perm"] for r in _results(backend, nprocs)]
-    assert seen[1][0] == seen[2][0] == "MismatchError", seen
-    for kind, text in seen:
-        assert kind in ("MismatchError", "ok"), seen
-        if kind == "ok":  # this rank's own exchange agreed: its ring neighbour's ones
-            assert text == repr(np.ones(4, np.float32)), seen
-    words = {text for kind, text in seen if kind == "MismatchError"}
-    assert len(words) == 1, words
-    for fragment in fragments:
-        assert fragment in words.copy().pop(), (fragment, words)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -295,6 +316,55 @@ def test_axes_named_in_another_order_raise_naming_both(backend: str, nprocs: int
         "ranks 0, 2 named ('dp', 'tp') (group ranks [0, 1, 2, 3])",
         "ranks 1, 3 named ('tp', 'dp') (group ranks [0, 2, 1, 3])",
     )
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_get_group_checks_the_order_of_a_tuple_too(backend: str, nprocs: int) -> None:
+    if nprocs == 2:  # a 2x1 mesh: both orders are one group, which reduces
+        seen = [r["get_group_order"] for r in _results(backend, nprocs)]
+        assert all(kind == "ok" for kind, _ in seen), seen
+        assert len({text for _, text in seen}) == 1, seen
+        return
+    _raised_alike(
+        "get_group_order",
+        backend,
+        nprocs,
+        "get_group over ('dp', 'tp'): ranks disagree on the order of the mesh axes",
+        "ranks 0, 2 named ('dp', 'tp') (group ranks [0, 1, 2, 3])",
+        "ranks 1, 3 named ('tp', 'dp') (group ranks [0, 2, 1, 3])",
+    )
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_op_and_get_group_agree_on_the_order_together(backend: str, nprocs: int) -> None:
+    seen = [r["mixed_order"] for r in _results(backend, nprocs)]
+    if nprocs == 2:
+        assert all(kind == "ok" for kind, _ in seen), seen
+        return
+    for rank, (kind, text) in enumerate(seen):  # each names its own route: psum, get_group
+        assert kind == "MismatchError", seen
+        route = "psum" if rank % 2 else "get_group"
+        assert text.startswith(f"{route} over ('dp', 'tp'): ranks disagree on the order"), text
+        assert "ranks 1, 3 named ('tp', 'dp')" in text and "ranks 0, 2 named ('dp', 'tp')" in text
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_meshs_groups_are_named_by_its_axes(backend: str, nprocs: int) -> None:
+    half = nprocs // 2
+    for rank, (kind, text) in enumerate(r["group_names"] for r in _results(backend, nprocs)):
+        assert kind == "ok", text
+        if nprocs == 2:  # 'dp' and ('tp', 'dp') hold the mesh's group's ranks in order
+            expected = ["group-names", f"group-names/tp (dp={rank})", "group-names"]
+        else:
+            expected = [
+                f"group-names/dp (tp={rank % half})",
+                f"group-names/tp (dp={rank // half})",
+                "group-names/(tp,dp)",
+            ]
+        assert text == repr(expected), (rank, text)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

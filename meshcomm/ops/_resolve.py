@@ -21,9 +21,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from meshcomm.errors import InvalidArgument, MismatchError
+from meshcomm._mesh_order import agree_order
+from meshcomm.errors import InvalidArgument
 from meshcomm.mesh import DeviceMesh, current_mesh
 from meshcomm.ops._calls import Note, NotedGroup
 
@@ -143,60 +142,6 @@ class Axis:
 
 
 _AXES = "_ops_axes"  # the per-mesh cache of Axis objects, in the mesh's __dict__
-_AGREED = "_ops_agreed"  # the tuples of root axes whose order was agreed, on the mesh's root
-
-
-def agree_order(mesh: DeviceMesh, dims: tuple[int, ...], where: str) -> None:
-    """Check, on the first use of the tuple of axes ``dims`` on ``mesh``'s grid, that every
-    rank of its group names the axes in the same order; raise on every one of them if not.
-
-    The order of a tuple is the group's rank order: ``("dp", "tp")`` and ``("tp", "dp")``
-    hold the same ranks in another order, so they are other groups, made apart (each by
-    its members, through the store) and used apart. Ranks that disagree would each wait
-    for a group the others never make, until the timeout, in the store's words. Instead,
-    the first use of each tuple all-gathers every member's order over the group of the
-    same axes in mesh order (the same ranks, whichever order each names; made first where
-    it is not yet), so that every rank compares them all and raises the same error.
-
-    Raises:
-        MismatchError: the members' orders differ (the group's ranks differ with them).
-        CommError: the check's collective failed.
-    """
-    root = mesh._root
-    axes = mesh._root_axes(dims)
-    agreed: set[tuple[int, ...]] = root.__dict__.setdefault(_AGREED, set())
-    if axes in agreed:
-        return
-    canon = tuple(sorted(dims))
-    group = mesh._group_for_dims(canon)
-    coord = mesh._my_coordinate(where)
-    members = root.members(axes, root.coordinate(root.my_rank()) or coord)
-    order = [canon.index(d) for d in dims]  # this rank's order, as positions in mesh order
-    row = np.array([*members, *order], np.int64)
-    rows = group.all_gather(row).reshape(group.size, -1)
-    size = len(members)
-    if (rows[:, :size] == rows[0, :size]).all():  # other orders of one group's ranks agree
-        agreed.add(axes)
-        return
-    named: dict[str, list[int]] = {}
-    for r in range(group.size):
-        positions = [int(p) for p in rows[r, size:]]
-        valid = sorted(positions) == list(range(len(canon)))
-        names = tuple(mesh.mesh_dim_names[canon[p]] for p in positions) if valid else positions
-        ranks = [int(m) for m in rows[r, :size]]
-        named.setdefault(f"{names!r} (group ranks {ranks})", []).append(group.ranks[r])
-    said = "; ".join(
-        f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} named {text}"
-        for text, rs in named.items()
-    )
-    # The same words on every rank: the axes in mesh order, not as this rank named them.
-    call = f"{where.split(' ', 1)[0]} over {tuple(mesh.mesh_dim_names[d] for d in canon)!r}"
-    raise MismatchError(
-        f"{call}: ranks disagree on the order of the mesh axes, which orders the group's "
-        f"ranks: {said}; every rank must name them in the same order"
-    )
-
-
 #: Set once an op was staged into a jax program (``_jax_jit.settle``): every op then first
 #: waits for the programs dispatched before it, whose callbacks may not have run yet.
 _settle: Callable[[], None] | None = None
