@@ -4,11 +4,15 @@ Compares the Python overhead the group and ops layers add (the ledger, the direc
 between two checkouts of meshcomm, e.g. ``main`` and a branch::
 
     python bench/tree_overhead.py /work/main /work/wt-verdicts [--iters 20000] [--rounds 7]
+    python bench/tree_overhead.py BEFORE AFTER --nproc 2 --leaves 30
 
-Each round runs one child process per tree, alternately (so load on a shared machine hits
-both alike), in a world of one: ``group.all_reduce`` of 8 bytes (the direct path) and
-``meshcomm.ops.psum`` over a 1-D mesh. Prints per tree the median over rounds of each
-child's best-of-3 microseconds per call, and the ratio of the second tree to the first.
+Each round runs one job per tree, alternately (so load on a shared machine hits both
+alike), in a world of ``--nproc`` ranks (default 1; more: one process per rank on this
+host, over tcp): ``group.all_reduce`` of 8 bytes (the direct path), ``meshcomm.ops.psum``
+of the same array over a 1-D mesh, and ``psum`` of a dict of ``--leaves`` float32[64]
+leaves (``tree``; default 30; 0 leaves it out; its loops run ``iters / 10`` calls). Prints
+per tree the median over rounds of rank 0's best-of-3 microseconds per call (each loop
+after a barrier), and the ratio of the second tree to the first.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -26,40 +31,69 @@ import numpy as np
 import meshcomm
 from meshcomm import ops
 
-iters = int(sys.argv[1])
-world = meshcomm.init(world_size=1, rank=0, backend="tcp")
-mesh = meshcomm.init_device_mesh((1,), mesh_dim_names=("x",))
+iters, leaves, size, rank, url = (*map(int, sys.argv[1:5]), sys.argv[5])
+if size == 1:
+    world = meshcomm.init(world_size=1, rank=0, backend="tcp")
+else:
+    world = meshcomm.init(backend="tcp", init_method=url, world_size=size, rank=rank)
+mesh = meshcomm.init_device_mesh((size,), mesh_dim_names=("x",))
 x = np.ones(2, np.float32)
+tree = {f"w{i:02d}": np.ones(64, np.float32) for i in range(leaves)}
+cases = [("all_reduce", lambda: world.all_reduce(x), iters),
+         ("psum", lambda: ops.psum(x, "x", mesh=mesh), iters)]
+if leaves:
+    cases.append(("tree", lambda: ops.psum(tree, "x", mesh=mesh), max(1, iters // 10)))
 out = {}
-for name, fn in (("all_reduce", lambda: world.all_reduce(x)),
-                 ("psum", lambda: ops.psum(x, "x", mesh=mesh))):
-    for _ in range(200):
+for name, fn, n in cases:
+    for _ in range(min(200, n)):
         fn()
     best = float("inf")
     for _ in range(3):
+        world.barrier()
         start = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(n):
             fn()
-        best = min(best, (time.perf_counter() - start) / iters * 1e6)
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
     out[name] = best
+world.barrier()
 meshcomm.shutdown()
 print(json.dumps(out))
 """
 
 
-def _run(root: str, iters: int) -> dict[str, float]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _run(root: str, iters: int, leaves: int, nproc: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": root}
-    env.pop("MESHCOMM_TRACE", None)
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(iters)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        cwd=root,
-    )
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in list(env):
+        if name.startswith(("MESHCOMM_", "MASTER_", "OMPI_", "PMI_")) or name in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+        ):
+            env.pop(name)  # a world of its own, whatever launched this script
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(iters), str(leaves), str(nproc), str(r), url],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=root,
+        )
+        for r in range(nproc)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"{root}: a rank exited with {p.returncode}:\n{err[-3000:]}")
+    result: dict[str, float] = json.loads(outs[0][0].strip().splitlines()[-1])
     return result
 
 
@@ -69,12 +103,15 @@ def main() -> None:
     parser.add_argument("second")
     parser.add_argument("--iters", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per job (default 1)")
+    parser.add_argument("--leaves", type=int, default=30, help="leaves of the tree psum")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {args.first: [], args.second: []}
     for _ in range(args.rounds):
         for root in (args.first, args.second):
-            runs[root].append(_run(root, args.iters))
-    for op in ("all_reduce", "psum"):
+            runs[root].append(_run(root, args.iters, args.leaves, args.nproc))
+    print(f"world {args.nproc}, medians of {args.rounds} rounds, rank 0's best of 3 loops")
+    for op in ("all_reduce", "psum", "tree")[: 3 if args.leaves else 2]:
         a = statistics.median(r[op] for r in runs[args.first])
         b = statistics.median(r[op] for r in runs[args.second])
         print(f"{op:10s} {args.first}: {a:.2f} us  {args.second}: {b:.2f} us  ratio {b / a:.3f}")

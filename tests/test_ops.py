@@ -517,3 +517,30 @@ def test_ops_on_small_worlds(nprocs: int) -> None:
     per_rank = run_ranks(_small_world, nprocs, timeout=100)
     failures = [f for rank in per_rank for f in rank]
     assert not failures, "\n".join(failures[:20])
+
+
+def test_tree_structures_are_made_once_and_compare_by_form() -> None:
+    """A tree passed again gets the same structure object (a look-up per call); structures
+    compare and hash by form however they were made, pickled ones included; leaves come in
+    sorted key order and the tree comes back in its own."""
+    import pickle
+
+    from meshcomm.ops.pytree import TreeDef, tree_flatten, tree_leaves, tree_unflatten
+
+    point = namedtuple("point", "x y")
+    tree = {"w": [1, (2, None)], "b": point(3, {"k": 4}), "n": None}
+    leaves, treedef = tree_flatten(tree)
+    assert leaves == [3, 4, 1, 2]
+    assert tree_leaves(tree) == leaves
+    again = {"w": [5, (6, None)], "b": point(7, {"k": 8}), "n": None}
+    assert tree_flatten(again)[1] is treedef
+    assert tree_flatten({"n": None, "w": [1, (2, None)], "b": point(3, {"k": 4})})[1] != treedef
+    assert tree_unflatten(treedef, leaves) == tree
+    assert list(tree_unflatten(treedef, leaves)) == ["w", "b", "n"]  # the caller's key order
+    made = TreeDef("list", (TreeDef("leaf"), TreeDef("none")))
+    assert made == tree_flatten([1, None])[1] and hash(made) == hash(tree_flatten([0, None])[1])
+    plain = tree_flatten({"w": [1, (2, None)], "b": (3, {"k": 4})})[1]
+    copied = pickle.loads(pickle.dumps(plain))  # (a local namedtuple class cannot pickle)
+    assert copied == plain and hash(copied) == hash(plain) and copied.num_leaves == 4
+    assert tree_flatten([1, [2]])[1] != tree_flatten([1, (2,)])[1]
+    assert tree_flatten(point(1, 2))[1] != tree_flatten((1, 2))[1]

@@ -30,7 +30,7 @@ import numpy as np
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops._jax_jit import stage, stageable
 from meshcomm.ops._native import is_jax_tracer, torch_tensor_type, tracer_message
-from meshcomm.ops.pytree import tree_flatten, tree_unflatten
+from meshcomm.ops.pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = ["Call", "apply", "grad_kind"]
 
@@ -73,8 +73,12 @@ def grad_kind(x: Any, where: str) -> str | None:
         return None
     if not isinstance(x, (dict, list, tuple)):
         return _leaf_grad_kind(x, where)
-    found = (_leaf_grad_kind(leaf, where) for leaf in tree_flatten(x)[0])
-    kinds = {k for k in found if k is not None}
+    kinds = set()
+    for leaf in tree_leaves(x):
+        if type(leaf) is not np.ndarray:  # numpy leaves, the common case, need none
+            kind = _leaf_grad_kind(leaf, where)
+            if kind is not None:
+                kinds.add(kind)
     if kinds == {"jax", "jit"}:
         return "jax"  # values jit traced beside those jax.grad differentiates: apply stages all
     if len(kinds) > 1:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -50,13 +50,19 @@ __all__ = [
     "run",
     "then",
     "tree_flatten",
+    "tree_leaves",
     "tree_unflatten",
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TreeDef:
     """The structure of a pytree without its leaves.
+
+    :func:`tree_flatten` makes each structure once and hands out the same object for it
+    afterwards (training code passes the same few trees on every step), so comparing and
+    hashing a structure seen before costs one look-up, not a walk over it; two structures
+    are equal when they have the same form, made by :func:`tree_flatten` or not.
 
     Attributes:
         kind: "leaf", "none", "dict", "list", "tuple" or "namedtuple".
@@ -64,6 +70,12 @@ class TreeDef:
         keys: dict keys in flattening order (sorted when sortable); original key order in
             ``order`` so the rebuilt dict looks like the input.
         node_type: the namedtuple class, for "namedtuple".
+
+    Example:
+        >>> tree_flatten({"a": 1, "b": [2]})[1] is tree_flatten({"a": 5, "b": [6]})[1]
+        True
+        >>> tree_flatten([1])[1] == TreeDef("list", (TreeDef("leaf"),))
+        True
     """
 
     kind: str
@@ -71,6 +83,30 @@ class TreeDef:
     keys: tuple[Any, ...] = ()
     order: tuple[Any, ...] = ()
     node_type: type | None = None
+    _hash: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        form = (self.kind, self.children, self.keys, self.order, self.node_type)
+        object.__setattr__(self, "_hash", hash(form))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:  # made again: a str's hash differs per process
+        return (TreeDef, (self.kind, self.children, self.keys, self.order, self.node_type))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, TreeDef):
+            return NotImplemented
+        return self._hash == other._hash and (
+            self.kind,
+            self.children,
+            self.keys,
+            self.order,
+            self.node_type,
+        ) == (other.kind, other.children, other.keys, other.order, other.node_type)
 
     @property
     def num_leaves(self) -> int:
@@ -80,8 +116,46 @@ class TreeDef:
         return sum(c.num_leaves for c in self.children)
 
 
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+_LEAF = TreeDef("leaf")
+_NONE = TreeDef("none")
+_CONTAINERS = (dict, list, tuple)
+# The structures made so far, by their kind, keys and the identities of their children (a
+# key's children are alive as long as the structure holding them is kept here). Bounded: a
+# program whose trees never repeat gets new structures once this is full, equal but not the
+# same objects.
+_TREES: dict[tuple[Any, ...], TreeDef] = {}
+# A dict's keys in flattening order, by their order in the dict.
+_SORTED: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_MAX = 4096
+
+
+def _node(
+    kind: str,
+    kids: list[TreeDef],
+    keys: tuple[Any, ...] = (),
+    order: tuple[Any, ...] = (),
+    node_type: type | None = None,
+) -> TreeDef:
+    """The structure of one container, the same object each time it is seen (if it fits)."""
+    key = (kind, keys, order, node_type, *map(id, kids))
+    found = _TREES.get(key)
+    if found is None:
+        found = TreeDef(kind, tuple(kids), keys, order, node_type)
+        if len(_TREES) < _MAX:
+            _TREES[key] = found
+    return found
+
+
+def _sorted_keys(order: tuple[Any, ...]) -> tuple[Any, ...]:
+    keys = _SORTED.get(order)
+    if keys is None:
+        try:
+            keys = tuple(sorted(order))
+        except TypeError:
+            keys = order
+        if len(_SORTED) < _MAX:
+            _SORTED[order] = keys
+    return keys
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
@@ -97,23 +171,61 @@ def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
 
 def _flatten(tree: Any, leaves: list[Any]) -> TreeDef:
     if tree is None:
-        return TreeDef("none")
+        return _NONE
+    keys: tuple[Any, ...] = ()
+    order: tuple[Any, ...] = ()
+    node_type: type | None = None
+    values: Any
     if isinstance(tree, dict):
+        kind = "dict"
         order = tuple(tree)
-        try:
-            keys = tuple(sorted(order))
-        except TypeError:
-            keys = order
-        kids = tuple(_flatten(tree[k], leaves) for k in keys)
-        return TreeDef("dict", kids, keys, order)
-    if _is_namedtuple(tree):
-        kids = tuple(_flatten(v, leaves) for v in tree)
-        return TreeDef("namedtuple", kids, node_type=type(tree))
-    if isinstance(tree, (list, tuple)):
-        kids = tuple(_flatten(v, leaves) for v in tree)
-        return TreeDef("list" if isinstance(tree, list) else "tuple", kids)
-    leaves.append(tree)
-    return TreeDef("leaf")
+        keys = _sorted_keys(order)
+        values = [tree[k] for k in keys]
+    elif isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        kind, node_type, values = "namedtuple", type(tree), tree
+    elif isinstance(tree, (list, tuple)):
+        kind, values = ("list" if isinstance(tree, list) else "tuple"), tree
+    else:
+        leaves.append(tree)
+        return _LEAF
+    kids: list[TreeDef] = []
+    for value in values:  # leaves inline: most children are leaves
+        if value is None:
+            kids.append(_NONE)
+        elif isinstance(value, _CONTAINERS):
+            kids.append(_flatten(value, leaves))
+        else:
+            leaves.append(value)
+            kids.append(_LEAF)
+    return _node(kind, kids, keys, order, node_type)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` alone, depth first (no structure made).
+
+    Example:
+        >>> tree_leaves({"b": [1, None], "a": (2,)})
+        [2, 1]
+    """
+    leaves: list[Any] = []
+    _leaves(tree, leaves)
+    return leaves
+
+
+def _leaves(tree: Any, leaves: list[Any]) -> None:
+    values: Any = tree
+    if isinstance(tree, dict):
+        values = [tree[k] for k in _sorted_keys(tuple(tree))]
+    elif tree is None:
+        return
+    elif not isinstance(tree, (list, tuple)):
+        leaves.append(tree)
+        return
+    for value in values:
+        if isinstance(value, _CONTAINERS):
+            _leaves(value, leaves)
+        elif value is not None:
+            leaves.append(value)
 
 
 def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
@@ -268,9 +380,12 @@ def _plan(
     kernel: Kernel, group: Collectives, arrays: list[Any], metas: list[Any]
 ) -> list[_Transfer]:
     """One transfer per (array library, dtype), in order of first appearance."""
-    buckets: dict[tuple[str, str], list[int]] = {}
+    buckets: dict[Any, list[int]] = {}
     for i, arr in enumerate(arrays):
-        key = (array_namespace(arr).__name__, np.dtype(arr.dtype).str)
+        if type(arr) is np.ndarray:  # numpy's by dtype (byte order included), the others by
+            key: Any = arr.dtype  # their library and dtype
+        else:
+            key = (array_namespace(arr).__name__, np.dtype(arr.dtype).str)
         buckets.setdefault(key, []).append(i)
     transfers = []
     for idx in buckets.values():
