@@ -9,8 +9,8 @@ Under mpi (``meshrun --backend mpi``) the default is the first-call check: what 
 call is the direct path's look-up of the call's signature among the checked ones.
 
 Times (microseconds per call) a float32 ``ProcessGroup.all_reduce`` of ``--bytes`` bytes
-(default 8; the direct path; ``--op broadcast``: a broadcast from rank 0 instead, whose
-checks add a barrier of stamped one-byte frames) on two groups: the world (on one host: the
+(default 8; the direct path; ``--op broadcast reduce gather scatter``: those from rank 0 too,
+each in turn; ``--op rooted``: all five) on two groups: the world (on one host: the
 shared-memory board) and a group of the same ranks made with ``subgroup`` (shared-memory
 rings, or sockets with ``MESHCOMM_TRANSPORT=tcp``). For each group, loops of ``--iters``
 calls alternate between the default checks (every call stamped,
@@ -44,8 +44,19 @@ def _checks(group: ProcessGroup, state: tuple[Any, Any], on: bool) -> None:
         holder.stamp = None  # the link then sends the plain tag, as under OFF
 
 
+#: The ops ``--op`` may name, each one call of the group on ``x`` (scatter: one entry each).
+OPS = ("all_reduce", "broadcast", "reduce", "gather", "scatter")
+
+
+def _call(group: ProcessGroup, op: str, x: np.ndarray) -> Any:
+    if op == "scatter":  # one entry of x's size for each rank
+        stacked = np.zeros((group.size, *x.shape), x.dtype)
+        return lambda: group.scatter(stacked, 0)
+    return lambda: getattr(group, op)(x)
+
+
 def _loop(group: ProcessGroup, x: np.ndarray, iters: int, op: str) -> float:
-    call = group.all_reduce if op == "all_reduce" else group.broadcast
+    call = _call(group, op, x)
     group.barrier()
     start = time.perf_counter()
     for _ in range(iters):
@@ -53,42 +64,59 @@ def _loop(group: ProcessGroup, x: np.ndarray, iters: int, op: str) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def _side_by_side(
+    group: ProcessGroup, name: str, x: np.ndarray, op: str, iters: int, repeats: int
+) -> tuple[float, float]:
+    """Medians (us per call) of ``op`` on ``group`` with the default checks and without."""
+    holder = (group._issuer._stamper, group._issuer._seen)
+    if holder == (None, None):
+        raise SystemExit(f"{name}: no checks (MESHCOMM_DEBUG is set)")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for on in (True, False):  # warm both: the direct path is learned, channels opened
+        _checks(group, holder, on)
+        _loop(group, x, max(1, iters // 10), op)
+    for r in range(repeats):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            _checks(group, holder, on)
+            times[on].append(_loop(group, x, iters, op))
+    _checks(group, holder, True)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--bytes", type=int, default=8)
-    p.add_argument("--op", choices=["all_reduce", "broadcast"], default="all_reduce")
+    p.add_argument("--op", nargs="+", choices=[*OPS, "rooted"], default=["all_reduce"])
     args = p.parse_args()
+    ops = list(OPS) if "rooted" in args.op else args.op
 
     top = world.init()
     sub = top.subgroup(list(top.ranks), "world/bench")
     x = np.zeros(max(1, args.bytes // 4), np.float32)  # stays 0 however often it is reduced
     rows = []
-    for name, group in (("world", top), ("subgroup", sub)):
-        holder = (group._issuer._stamper, group._issuer._seen)
-        if holder == (None, None):
-            raise SystemExit(f"{name}: no checks (MESHCOMM_DEBUG is set)")
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for on in (True, False):  # warm both: the direct path is learned, channels opened
-            _checks(group, holder, on)
-            _loop(group, x, max(1, args.iters // 10), args.op)
-        for r in range(args.repeats):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                _checks(group, holder, on)
-                times[on].append(_loop(group, x, args.iters, args.op))
-        _checks(group, holder, True)
-        on_us, off_us = statistics.median(times[True]), statistics.median(times[False])
-        comm: Any = group._comm
-        kinds = sorted(set(comm.transport.channels.values())) if comm.backend_name == "tcp" else []
-        if getattr(comm, "_board", False):
-            kinds = ["board"]
-        rows.append((name, ",".join(kinds), on_us, off_us))
+    for op in ops:
+        for name, group in (("world", top), ("subgroup", sub)):
+            on_us, off_us = _side_by_side(group, name, x, op, args.iters, args.repeats)
+            comm: Any = group._comm
+            kinds = (
+                sorted(set(comm.transport.channels.values())) if comm.backend_name == "tcp" else []
+            )
+            if getattr(comm, "_board", False) and op == "all_reduce":
+                kinds = ["board"]
+            rows.append((op, name, ",".join(kinds), on_us, off_us))
     if top.rank == 0:
-        print(f"{args.op} float32 {args.bytes} B, world {top.size}, {args.repeats} x {args.iters}")
-        print(f"{'group':<10} {'channels':<10} {'default us':>11} {'OFF us':>9} {'ratio':>7}")
-        for name, kinds, on_us, off_us in rows:
-            print(f"{name:<10} {kinds:<10} {on_us:>11.2f} {off_us:>9.2f} {on_us / off_us:>7.3f}")
+        print(f"float32 {args.bytes} B, world {top.size}, {args.repeats} x {args.iters}")
+        print(
+            f"{'op':<11} {'group':<10} {'channels':<10} {'default us':>11} {'OFF us':>9} "
+            f"{'ratio':>7} {'+us':>7}"
+        )
+        for op, name, kinds, on_us, off_us in rows:
+            print(
+                f"{op:<11} {name:<10} {kinds:<10} {on_us:>11.2f} {off_us:>9.2f} "
+                f"{on_us / off_us:>7.3f} {on_us - off_us:>+7.2f}"
+            )
     world.shutdown()
 
 

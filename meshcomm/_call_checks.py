@@ -182,6 +182,13 @@ def mismatch_words(
     me = group.ranks[group.rank]
     mine = _ledger.record(entry, time.monotonic()) if entry is not None else None
     pseq = _fingerprint.stamp_seq(theirs, seq)
+    if pseq != seq:
+        # The peer's frame is of an earlier call, left unreceived: this rank finished that
+        # call without it (ranks that each took themselves for a broadcast's root). The
+        # words compare this rank's record of that call, not of the call it is in now.
+        earlier = group._book.find(pseq)
+        if earlier is not None:
+            mine, op, seq = earlier, earlier["op"], pseq
     other = None
     if group.store is not None:
         other = _responder.ask_call(group.store, peer, group.name, pseq, _ASK_WAIT)

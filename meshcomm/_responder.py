@@ -45,6 +45,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from meshcomm import _heads
+from meshcomm.backends.tcp.alarm import parse_request
 from meshcomm.errors import MeshCommError, StoreTimeout
 from meshcomm.store.base import Store
 from meshcomm.store.memory import HashStore
@@ -246,7 +247,11 @@ class Responder:
                 request = store.get(key)
                 if request == b"stop" or self._stopping:
                     return
-                if request.startswith(b"call\n"):
+                if (announced := parse_request(request)) is not None:
+                    # A mismatch announced (meshcomm.backends.tcp.alarm); nobody waits for
+                    # an answer. The store admits only the job's ranks.
+                    self._world._comm.notice_mismatch(*announced)
+                elif request.startswith(b"call\n"):
                     store.set(_answer_key(rank, n), _call_answer(self._world, request))
                 else:
                     head = _heads.collect(self._world, rank)

@@ -4,7 +4,9 @@ Real ranks over tcp (sockets, shared-memory rings, the board, the CMA collective
 2 and 4: for each kind of mismatch (dtype, shape, reduce op, root, kind of collective) one
 rank calls something else than the others; every rank must raise
 :class:`~meshcomm.errors.MismatchError` within 3 s, with the same words naming both calls,
-their call sites and the group. The mpi backend's checks are in tests/test_mpi.py.
+their call sites and the group. A rooted collective has no barrier: a rank that only sends
+may return before anyone compares, and raises at its next call (on any group of the world:
+tests below). The mpi backend's checks are in tests/test_mpi.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ KINDS = {
     "collective": ("all_gather(float32[4])", "all_reduce(float32[4], sum)"),
     "device": ("all_reduce(float32[4], sum, on a GPU)", "all_reduce(float32[4], sum)"),
 }
+#: The kinds of rooted collectives, whose ranks may raise at their next call instead.
+ROOTED = {"root"}
 SOCKETS = {"MESHCOMM_TRANSPORT": "tcp"}
 RINGS = {"MESHCOMM_SHM_BOARD_MAX": "0"}  # same host: rings (sub-groups never use the board)
 DIRECT = {"MESHCOMM_SHM_DIRECT_MIN": "1"}  # every size takes the CMA collectives
@@ -66,9 +70,10 @@ def _call(group: ProcessGroup, kind: str, odd: bool) -> None:
         group._issue("all_reduce", lowered, False, np if odd else None)
 
 
-def _each_kind(world: ProcessGroup, kinds: list[str]) -> dict[str, tuple[str, float, str]]:
+def _each_kind(world: ProcessGroup, kinds: list[str]) -> dict[str, tuple[str, float, str, str]]:
     """For each kind, in a fresh group of every rank: one good call, then rank 1 calls the
-    odd one. Returns, per kind, the error's type, seconds to raise, and its words."""
+    odd one, then (if nothing was raised) a good one. Returns, per kind, the error's type,
+    seconds to raise, its words, and which call raised ("call" or "next")."""
     out = {}
     cma_verdicts = []
     for kind in kinds:
@@ -77,28 +82,32 @@ def _each_kind(world: ProcessGroup, kinds: list[str]) -> dict[str, tuple[str, fl
         group.all_reduce(x)  # a good call first: the CMA route is learned, channels open
         group.broadcast(x, root=0)
         start = time.monotonic()
+        where = "call"
         try:
             _call(group, kind, world.rank == 1)
-        except MismatchError as exc:
-            out[kind] = ("MismatchError", time.monotonic() - start, str(exc))
+            where = "next"
+            group.all_reduce(x)
         except Exception as exc:
-            out[kind] = (type(exc).__name__, time.monotonic() - start, str(exc))
+            out[kind] = (type(exc).__name__, time.monotonic() - start, str(exc), where)
         else:
-            out[kind] = ("no error", time.monotonic() - start, "")
+            out[kind] = ("no error", time.monotonic() - start, "", where)
         cma_verdicts.append(getattr(group._comm, "_cma", None) and group._comm._cma._verdict)
-    out["cma"] = ("", 0.0, repr(cma_verdicts))
+    out["cma"] = ("", 0.0, repr(cma_verdicts), "")
     return out
 
 
-def _check(results: list[dict[str, tuple[str, float, str]]], kinds: list[str], label: str) -> None:
+def _check(
+    results: list[dict[str, tuple[str, float, str, str]]], kinds: list[str], label: str
+) -> None:
     line = _line("THE CALL")
     for kind in kinds:
         odd, usual = KINDS[kind]
         words = {r[kind][2] for r in results}
         for rank, r in enumerate(results):
-            name, seconds, text = r[kind]
+            name, seconds, text, where = r[kind]
             assert name == "MismatchError", f"{kind}: rank {rank}: {name}: {text}"
             assert seconds < 3.0, f"{kind}: rank {rank} raised after {seconds:.2f} s"
+            assert where == "call" or kind in ROOTED, f"{kind}: rank {rank} raised only after"
         assert len(words) == 1, f"{kind}: the ranks raised different words: {words}"
         text = words.pop()
         assert "0x" not in text, text

@@ -84,6 +84,12 @@ class Communicator(ABC):
         published, where another rank may have been first). Default: ``reason`` alone."""
         return reason
 
+    def notice_mismatch(self, group: str, reason: str) -> None:  # noqa: B027 - optional hook
+        """Another rank announced a mismatch (``reason``, both calls in words) on ``group`` of
+        this world (as the backend names it): a backend that can (tcp) raises it in this
+        rank's next call on any group, unless this rank raised it already. Default: nothing
+        (the rank learns of it at its next call on that group, or its timeout)."""
+
     def check_all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """``all_gather`` of host arrays for the group layer's first-call mismatch checks
         (:func:`~meshcomm._fingerprint.check_first`). Default: :meth:`all_gather`; a backend

@@ -48,7 +48,6 @@ __all__ = ["WORLD_ID", "TcpCommunicator", "sub_id"]
 #: Communicator id of the world.
 WORLD_ID = 0
 _MAX_TAG = 2**63 - 1
-_HELLO = np.ones(1, np.uint8)
 
 
 def sub_id(parent_id: int, members: Sequence[int], count: int) -> int:
@@ -105,6 +104,7 @@ class TcpCommunicator(Communicator):
         self._cma = CmaCollectives(self.link)
         self._hosts = HostView(self.link)
         self._transport = transport
+        self._alarm = transport.alarm  # read in the first line of every call
         self._owns = owns_transport
         self._group_rank = {g: r for r, g in enumerate(self.global_ranks)}
         self._subs: dict[tuple[int, ...], int] = {}
@@ -166,6 +166,16 @@ class TcpCommunicator(Communicator):
                 f"rank {self.global_ranks[self.rank]}: {what} {self.label}: the tcp "
                 "communicator is closed"
             )
+        if self._alarm.reason is not None and what != "sub":
+            # The ranks disagreed on a call of some group of the world, maybe one this rank
+            # left as a root before anyone compared: its next call says so. (Not in making a
+            # group: that is no call of the others, and a failure there would fail the parent.)
+            self._alarm.check()
+
+    def notice_mismatch(self, group: str, reason: str) -> None:
+        """Another rank announced a mismatch on ``group``: this rank's next call on any group
+        raises it, unless this rank raised it already."""
+        self._alarm.sound(group, reason)
 
     def _peer(self, peer: object, what: str) -> int:
         if isinstance(peer, bool):
@@ -247,25 +257,6 @@ class TcpCommunicator(Communicator):
         this group raises it within about a second."""
         return self._transport.publish_mismatch(reason)
 
-    def _hello(self) -> None:
-        """With stamps on, before a rooted collective: a dissemination barrier of one-byte
-        stamped frames (round k: to rank + 2**k, from rank - 2**k; log2(size) rounds).
-        Ranks that disagree on the root may otherwise all wait to receive (or all send) and
-        never compare a stamp, and a root or a leaf may finish without waiting for anyone.
-        Here some two ranks that disagree compare stamps, and no rank leaves before every
-        rank has taken part (transitively): a rank that raised stops the others, which then
-        read its abort record. Skipping it for signatures seen before was tried: a root that
-        repeats its call while another rank changes its own then returns without an error,
-        so not every rank raises in the call (tests/test_mismatch.py)."""
-        if self.link.stamp is None or self.size < 2:
-            return
-        n, r = self.size, self.rank
-        inbox = np.empty(1, np.uint8)
-        step = 1
-        while step < n:
-            self.link.exchange([((r + step) % n, _HELLO)], [((r - step) % n, inbox)])
-            step *= 2
-
     def _board_agree(self) -> bool:
         # The first round opens every pair's channel (shared memory is set up, or not, before
         # a pair's first message moves); then every rank says whether it can use the board.
@@ -325,7 +316,6 @@ class TcpCommunicator(Communicator):
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._check("broadcast")
-        self._hello()
         if (
             _root_ok(root, self.size)
             and (hosts := self._layout(buf, buf, _nbytes(buf), None)) is not None
@@ -354,7 +344,6 @@ class TcpCommunicator(Communicator):
                 f"{getattr(send, 'shape', '')} and {getattr(recv, 'dtype', type(recv))} "
                 f"{getattr(recv, 'shape', '')}"
             )
-        self._hello()
         # Every rank makes the same choice: the hierarchical and CMA routes look at the sizes
         # and the communicator's verdicts, never at whether this rank has a send buffer.
         if (
@@ -371,17 +360,14 @@ class TcpCommunicator(Communicator):
 
     def reduce(self, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._check("reduce")
-        self._hello()
         algorithms.reduce(self.link, buf, root, op)
 
     def gather(self, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
         self._check("gather")
-        self._hello()
         algorithms.gather(self.link, send, recv, root)
 
     def scatter(self, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
         self._check("scatter")
-        self._hello()
         algorithms.scatter(self.link, send, recv, root)
 
     def barrier(self) -> None:

@@ -73,6 +73,11 @@ class Faults:
         self._store = store
         self._store_lost = False  # a store operation of the failure path failed
 
+    @property
+    def store_lost(self) -> bool:
+        """Whether a store operation of the failure path failed (the others are skipped)."""
+        return self._store_lost
+
     # -- errors ----------------------------------------------------------------------------
     def gone_error(self, peer: int, action: str) -> PeerError:
         """The error for a call that needs ``peer``, gone between frames."""

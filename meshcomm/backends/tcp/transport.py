@@ -63,6 +63,7 @@ from meshcomm.backends.tcp.addresses import (
     format_address,
     tune,
 )
+from meshcomm.backends.tcp.alarm import WorldAlarm
 from meshcomm.backends.tcp.board import BoardAllReduce
 from meshcomm.backends.tcp.connections import Connections
 from meshcomm.backends.tcp.faults import ABORT_KEY, LEFT_KEY, Faults
@@ -86,6 +87,7 @@ from meshcomm.errors import (
     CommError,
     CommTimeout,
     InvalidArgument,
+    MismatchError,
     PeerError,
     ProtocolError,
     RendezvousError,
@@ -168,8 +170,13 @@ class Transport:
         listener: socket.socket,
         address: str,
         secret: bytes | None = None,
+        alarm: WorldAlarm | None = None,
     ) -> None:
         self.rank = rank
+        # A mismatch seen on any group of the world (shared with the sub-groups' transports).
+        self.alarm = WorldAlarm(store, rank, size) if alarm is None else alarm
+        # How the alarm names this transport's group: its keys' prefix, the same on every rank.
+        self._alarm_group = getattr(store, "prefix", "") or "world"
         self.size = size
         self.timeout = timeout
         self.address = address
@@ -225,7 +232,7 @@ class Transport:
             Spinner(spin_policy(local_size), shares_cores(local_size)),
             rings,
             sockets.select,
-            faults.check_abort,
+            self._check_abort,
         )
         self._board = BoardAllReduce(rank, rings, matching, faults, progress, self._waiter)
         self.memory = PeerMemory(rank, rings, faults, self._break)
@@ -243,6 +250,7 @@ class Transport:
         timeout: float,
         *,
         secret: str | bytes | None = None,
+        alarm: WorldAlarm | None = None,
     ) -> Transport:
         """Listen, agree on the job token, and publish this rank's address in the store.
 
@@ -255,6 +263,8 @@ class Transport:
             timeout: seconds without progress before ``CommTimeout``.
             secret: the job's secret (every link is then mutually authenticated); None reads
                 ``MESHCOMM_SECRET``; ``""`` means none. Every rank must agree.
+            alarm: the world's alarm, for a sub-group's transport (None: the world's own,
+                announced through ``store``).
 
         Raises:
             InvalidArgument: bad rank, size, timeout or secret, or a bad
@@ -296,7 +306,7 @@ class Transport:
         except BaseException:
             listener.close()
             raise
-        return cls(rank, size, store, timeout, bytes(token), listener, address, key)
+        return cls(rank, size, store, timeout, bytes(token), listener, address, key, alarm)
 
     # -- public operations -------------------------------------------------------------------
     @property
@@ -308,7 +318,7 @@ class Transport:
         """Start another transport of this process for a sub-group: the same rank, world
         size, timeout and secret, its keys in ``store``."""
         return Transport.start(
-            self.rank, self.size, store, self.timeout, secret=self._secret or b""
+            self.rank, self.size, store, self.timeout, secret=self._secret or b"", alarm=self.alarm
         )
 
     def raise_failure(self) -> None:
@@ -357,8 +367,22 @@ class Transport:
     def publish_mismatch(self, reason: str) -> str:
         """Publish a mismatch (both calls in words) as the abort record, so that every rank
         of this transport raises it; return the mismatch to raise here: the first one
-        published (another rank may have seen the same mismatch first)."""
-        return self._faults.publish_mismatch(reason)
+        published (another rank may have seen the same mismatch first). It is also announced
+        to the whole world (:mod:`~meshcomm.backends.tcp.alarm`): ranks that
+        returned from the call raise at their next call on any group."""
+        words = self._faults.publish_mismatch(reason)
+        self.alarm.announce(self._alarm_group, words)
+        return words
+
+    def _check_abort(self) -> None:
+        """A waiting call's abort check (about once a second): this transport's abort record
+        (the group's own mismatch comes first), then the world's alarm."""
+        try:
+            self._faults.check_abort()
+        except MismatchError:
+            self.alarm.raised(self._alarm_group)
+            raise
+        self.alarm.check()
 
     def exchange(
         self,
@@ -398,7 +422,9 @@ class Transport:
                 if progress.pending:
                     self._wait("exchange", comm_id, sops, rops)
             except BaseException as exc:
-                self._fail(exc, "exchange")
+                cause = self._fail(exc, "exchange")
+                if cause is not exc:
+                    raise cause from None
                 raise
         finally:
             self._lock.release()
@@ -478,7 +504,9 @@ class Transport:
             try:
                 self._board.run(board, send, recv, op, stamp)
             except BaseException as exc:
-                self._fail(exc, "all_reduce")
+                cause = self._fail(exc, "all_reduce")
+                if cause is not exc:
+                    raise cause from None
                 raise
         finally:
             self._lock.release()
@@ -545,16 +573,30 @@ class Transport:
             if self._progress.pending:
                 self._wait(what, comm_id, sends, recvs)
         except BaseException as exc:
-            self._fail(exc, what)
+            cause = self._fail(exc, what)
+            if cause is not exc:
+                raise cause from None
             raise
 
-    def _fail(self, exc: BaseException, what: str) -> None:
+    def _fail(self, exc: BaseException, what: str) -> BaseException:
+        """Break the transport for ``exc``, raised by a call; return the error to raise:
+        ``exc``, or the world's mismatch when ``exc`` is a peer that left after it (it raised
+        the mismatch and closed, or exited): the mismatch is what went wrong."""
+        # (No store look-up when the failure path found the store gone: each try could wait
+        # for the store's timeout.)
+        if isinstance(exc, PeerError) and not self._faults.store_lost:
+            words = self.alarm.recall()
+            if words is not None:
+                exc = MismatchError(words)
+        if isinstance(exc, MismatchError):
+            self.alarm.raised(self._alarm_group)
         if isinstance(exc, CommError):
             self._break(exc)
         else:
             # Interrupted half way (KeyboardInterrupt, MemoryError): frames are cut, so the
             # streams can no longer be trusted.
             self._break(CommError(f"rank {self.rank}: {what} was interrupted: {exc!r}"))
+        return exc
 
     def _wait(self, what: str, comm_id: int, sends: list[Send], recvs: list[Recv]) -> None:
         progress = self._progress
