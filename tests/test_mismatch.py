@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from meshcomm import _fingerprint, _lower
-from meshcomm.errors import MismatchError
+from meshcomm.errors import CommError, MismatchError
 from meshcomm.group import ProcessGroup
 from meshcomm.reduction import ReduceOp
 from meshcomm.testing import run_ranks
@@ -213,6 +213,8 @@ def _psum_over_tp(world: ProcessGroup) -> str:
     meshcomm.ops.psum(x, "tp", mesh=mesh)
     try:
         meshcomm.ops.psum(x.astype(np.float64) if world.rank == 3 else x, "tp", mesh=mesh)  # PSUM
+        # Ranks 0 and 1 agree; the mismatch of ranks 2 and 3 stops them at a later call.
+        world.barrier()
     except MismatchError as exc:
         return str(exc)
     return "no error"
@@ -221,12 +223,12 @@ def _psum_over_tp(world: ProcessGroup) -> str:
 def test_a_mesh_axis_is_named_and_the_call_by_its_ops_name() -> None:
     results = run_ranks(_psum_over_tp, 4, env={"MESHCOMM_TIMEOUT": "20"})
     line = _line("PSUM")
-    for rank in (2, 3):  # the 'tp' group of ranks 2 and 3; ranks 0 and 1 agree
+    assert len(set(results)) == 1, results  # ranks 0 and 1 (which agree) too, later
+    for rank in (2, 3):  # the 'tp' group of ranks 2 and 3
         text = results[rank]
         assert text.startswith("ranks disagree on the collective over 'tp': "), text
         assert f"rank 3 called psum(float64[3], sum) at test_mismatch.py:{line}" in text, text
         assert f"rank 2 called psum(float32[3], sum) at test_mismatch.py:{line}" in text, text
-    assert results[0] == results[1] == "no error"
 
 
 def _off(world: ProcessGroup) -> tuple[bool, Any]:
@@ -349,3 +351,117 @@ def test_a_frame_nobody_waits_for_is_judged_by_its_call_number() -> None:
     for sig, seq in ((999, 10), (1234, 9)):  # another signature; an earlier call
         with pytest.raises(MismatchError, match="rank 1 called a different collective over 'tp'"):
             engine.stray(7, 1, tag(sig, seq))
+
+
+# == rooted collectives: no barrier; a rank that returned raises at its next call ==========
+#: Rank 1's odd call of each rooted op (the others call it with float32[4] from rank 0).
+ROOTED_ODD = {
+    "broadcast": "broadcast(int32[4], root=0)",
+    "reduce": "reduce(int32[4], sum, root=0)",
+    "gather": "gather(float32[2], root=0)",
+    "scatter": "scatter(float32[2], root=0)",
+}
+
+
+def _rooted_call(group: ProcessGroup, op: str, odd: bool) -> None:
+    x = np.ones(4, np.float32)
+    if op == "broadcast":
+        group.broadcast(x.astype(np.int32) if odd else x, root=0)  # ROOTED broadcast
+    elif op == "reduce":
+        group.reduce(x.astype(np.int32) if odd else x, root=0)  # ROOTED reduce
+    elif op == "gather":
+        group.gather(x[:2].copy() if odd else x, root=0)  # ROOTED gather
+    else:  # each rank's entry: 2 floats on rank 1, 4 elsewhere
+        stacked = np.ones((group.size, 2 if odd else 4), np.float32)
+        group.scatter(stacked, root=0)  # ROOTED scatter
+
+
+def _rooted(world: ProcessGroup, ops: list[str]) -> dict[str, tuple[str, str, float]]:
+    """Per op, in fresh groups: rank 1 calls it differently; a rank that returns then calls
+    all_reduce on *another* group until it raises (at most 5 s). Returns, per op, where this
+    rank raised ("call" or "next"), the words, and the seconds from the call."""
+    out = {}
+    for op in ops:
+        group = world.subgroup(list(world.ranks), f"rooted-{op}")
+        other = world.subgroup(list(world.ranks), f"other-{op}")
+        x = np.ones(4, np.float32)
+        group.all_reduce(x)
+        other.all_reduce(x)
+        start = time.monotonic()
+        try:
+            _rooted_call(group, op, world.rank == 1)
+        except MismatchError as exc:
+            out[op] = ("call", str(exc), time.monotonic() - start)
+            continue
+        out[op] = ("none", "", 0.0)
+        while time.monotonic() - start < 5.0:
+            try:
+                other.all_reduce(x)
+            except MismatchError as exc:
+                out[op] = ("next", str(exc), time.monotonic() - start)
+                break
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_a_rank_that_returned_from_a_rooted_call_raises_at_its_next_call_on_any_group(
+    nprocs: int,
+) -> None:
+    """No barrier: the root of a broadcast (or the leaves of a reduce, gather, scatter) send
+    and return; the rank that compares raises in the call and announces it, and every rank
+    that returned raises the same words at its next call on another group."""
+    ops = list(ROOTED_ODD)
+    results = run_ranks(_rooted, nprocs, env={"MESHCOMM_TIMEOUT": "20"}, args=(ops,))
+    for op in ops:
+        seen = [r[op] for r in results]
+        assert all(where in ("call", "next") for where, _, _ in seen), (op, seen)
+        assert any(where == "call" for where, _, _ in seen), (op, seen)
+        assert all(seconds < 4.0 for _, _, seconds in seen), (op, seen)
+        words = {text for _, text, _ in seen}
+        assert len(words) == 1, (op, words)
+        text = words.pop()
+        assert text.startswith(f"ranks disagree on the collective on group 'rooted-{op}': "), text
+        assert f"rank 1 called {ROOTED_ODD[op]} at test_mismatch.py:" in text, text
+        assert text.count(f"test_mismatch.py:{_line(f'ROOTED {op}')} ") == 2, text
+    # The root of a broadcast, and a leaf of a reduce, returned before anyone compared.
+    assert results[0]["broadcast"][0] == "next" or nprocs > 2, results[0]["broadcast"]
+    assert results[1]["reduce"][0] == "next", results[1]["reduce"]
+
+
+def _roots_each(world: ProcessGroup) -> tuple[str, str]:
+    """Every rank takes itself for the broadcast's root (nobody receives a frame of it);
+    then one more call on the group. Returns where this rank raised, and the words."""
+    group = world.subgroup(list(world.ranks), "roots")
+    x = np.ones(4, np.float32)
+    group.all_reduce(x)
+    try:
+        group.broadcast(x, root=group.rank)  # EVERY ROOT
+    except CommError as exc:  # DETAIL's check raises a CommError naming every call
+        return "call", f"{type(exc).__name__}: {exc}"
+    try:
+        group.all_reduce(x)
+    except CommError as exc:
+        return "next", f"{type(exc).__name__}: {exc}"
+    return "none", ""
+
+
+@pytest.mark.parametrize("level", ["default", "DETAIL"])
+def test_ranks_that_each_take_themselves_for_the_root(level: str) -> None:
+    """By default nobody need compare in the call (each only sends): the frames left behind
+    are compared at the group's next call, which raises on every rank naming the broadcast; with
+    MESHCOMM_DEBUG=DETAIL every rank raises in the call itself."""
+    env = {"MESHCOMM_TIMEOUT": "20", **({"MESHCOMM_DEBUG": "DETAIL"} if level == "DETAIL" else {})}
+    results = run_ranks(_roots_each, 2, env=env)
+    # By default a rank may also see the other's frame while still in its call.
+    want = ("call",) if level == "DETAIL" else ("call", "next")
+    assert all(where in want for where, _ in results), results
+    text = results[0][1]
+    if level == "DETAIL":
+        assert "called broadcast(seq=2, dtype=float32, shape=(4,), root=0" in text, text
+        assert "root=1" in text, text
+    else:
+        assert len({t for _, t in results}) == 1, results
+        line = _line("EVERY ROOT")
+        assert text.startswith("MismatchError: "), text
+        assert f"rank 0 called broadcast(float32[4], root=0) at test_mismatch.py:{line}" in text
+        assert f"rank 1 called broadcast(float32[4], root=1) at test_mismatch.py:{line}" in text

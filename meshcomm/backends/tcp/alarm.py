@@ -31,14 +31,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 
 from meshcomm.errors import MeshCommError, MismatchError
 from meshcomm.store.base import Store
 
 __all__ = ["ALARM_KEY", "ALARM_REQUEST", "MAX_REASON", "WorldAlarm", "parse_request"]
 
-#: The world's mismatch in the job's store (the first announced; written before the
-#: announcements, so a rank that sees the announcer leave finds it there).
+#: The world's mismatches in the job's store, one JSON line ``[group, words]`` each, appended
+#: before the announcements, so a rank that sees the announcer leave finds them there.
 ALARM_KEY = "meshcomm/tcp/alarm"
 
 #: What an announcement's request to a responder starts with (the words follow).
@@ -72,6 +73,7 @@ class WorldAlarm:
         self.reason: str | None = None
         self._owed: dict[str, str] = {}  # group -> words, oldest first
         self._raised: set[str] = set()
+        self._announced = 0
         self._store = store
         self._rank = rank
         self._size = size
@@ -113,23 +115,40 @@ class WorldAlarm:
             return
         from meshcomm import _responder  # the responder's request keys; imported on failure only
 
-        words = reason[:MAX_REASON].encode()
-        request = ALARM_REQUEST + group.encode()[:_MAX_GROUP] + b"\n" + words
+        group = group[:_MAX_GROUP]
+        words = reason[:MAX_REASON]
+        request = ALARM_REQUEST + group.encode() + b"\n" + words.encode()
         with contextlib.suppress(MeshCommError, OSError):
-            self._store.compare_set(ALARM_KEY, b"", words)
+            if self._announced < _MAX_OWED:  # the log stays small whatever a job does
+                self._announced += 1
+                self._store.append(ALARM_KEY, json.dumps([group, words]).encode() + b"\n")
             for peer in range(self._size):
                 if peer != self._rank:
                     _responder.ask(self._store, peer, request)
 
     def recall(self) -> str | None:
-        """The world's first mismatch, asked of the store (the failure path: a peer left,
-        maybe after it raised one); None if there is none."""
-        if self._store is None:
-            return self.reason
-        with contextlib.suppress(MeshCommError, OSError):
-            if self._store.check([ALARM_KEY]):
-                return bytes(self._store.get(ALARM_KEY)).decode(errors="replace")[:MAX_REASON]
-        return None
+        """The oldest mismatch this rank owes, asking the store when it has heard of none
+        (the failure path: a peer left, maybe after it announced one that has not reached
+        this rank's responder yet); None if there is none."""
+        if self.reason is None and self._store is not None:
+            with contextlib.suppress(MeshCommError, OSError):
+                if self._store.check([ALARM_KEY]):
+                    for group, words in _parse_log(bytes(self._store.get(ALARM_KEY))):
+                        self.sound(group, words)
+        return self.reason
+
+
+def _parse_log(raw: bytes) -> list[tuple[str, str]]:
+    """The ``[group, words]`` entries of the store's log (malformed lines skipped)."""
+    entries = []
+    for line in raw[: 4 * _MAX_OWED * MAX_REASON].splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+            entries.append((value[0][:_MAX_GROUP], value[1][:MAX_REASON]))
+    return entries
 
 
 def parse_request(request: bytes) -> tuple[str, str] | None:

@@ -584,10 +584,11 @@ class Transport:
         the mismatch and closed, or exited): the mismatch is what went wrong."""
         # (No store look-up when the failure path found the store gone: each try could wait
         # for the store's timeout.)
-        if isinstance(exc, PeerError) and not self._faults.store_lost:
-            words = self.alarm.recall()
-            if words is not None:
-                exc = MismatchError(words)
+        if isinstance(exc, PeerError) and not self._faults.store_lost and self.alarm.recall():
+            try:
+                self.alarm.check()  # the mismatch this rank owes: the peer left after it
+            except MismatchError as mismatch:
+                exc = mismatch
         if isinstance(exc, MismatchError):
             self.alarm.raised(self._alarm_group)
         if isinstance(exc, CommError):
