@@ -274,11 +274,14 @@ class Matching:
             raise self.mismatch(comm_id, src, tag)
 
     def scan_strays(self, comm_id: int) -> None:
-        """:meth:`stray` for every frame of ``comm_id`` already waiting unreceived."""
+        """:meth:`stray` for the frames of ``comm_id`` already waiting unreceived: the oldest
+        of each source is enough (a source's frames arrive in call order, so a frame of an
+        earlier call is at the head of its queue). Senders that only send (the leaves of a
+        reduce, a broadcast's root) may run many calls ahead; checking every waiting frame
+        at every call cost their receiver 150 us a call at world 4."""
         for key, queue in self.unexpected.items():
-            if key[0] == comm_id and key[2] == LINK_TAG:
-                for msg in queue:
-                    self.stray(comm_id, key[1], msg.header.tag)
+            if key[0] == comm_id and key[2] == LINK_TAG and queue:
+                self.stray(comm_id, key[1], queue[0].header.tag)
 
     @staticmethod
     def _deliver(r: Recv, msg: Message) -> None:
