@@ -465,3 +465,26 @@ def test_ranks_that_each_take_themselves_for_the_root(level: str) -> None:
         assert text.startswith("MismatchError: "), text
         assert f"rank 0 called broadcast(float32[4], root=0) at test_mismatch.py:{line}" in text
         assert f"rank 1 called broadcast(float32[4], root=1) at test_mismatch.py:{line}" in text
+
+
+def test_under_meshrun_the_root_stops_at_its_next_call_and_the_job_fails() -> None:
+    """The root returns from the broadcast (its next call, on another group, would raise the
+    same words); the job stops: no rank prints "done", meshrun exits non-zero and shows the
+    mismatch."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "rooted_mismatch.py")
+    run = subprocess.run(
+        [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", "2", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MESHCOMM_TIMEOUT": "20"},
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "rank 0: returned from the broadcast" in out, out
+    assert "done" not in run.stdout, out
+    words = "ranks disagree on the collective on group 'world': rank 1 called broadcast(int32[4]"
+    # meshrun stops the job at the first failure (the root raises too if it gets there
+    # first) and its summary names the mismatch.
+    assert re.search(rf"meshrun: rank \d .*its error.*\n.*MismatchError: {re.escape(words)}", out)
