@@ -482,7 +482,6 @@ def test_under_meshrun_the_root_stops_at_its_next_call_and_the_job_fails() -> No
     )
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
-    assert "rank 0: returned from the broadcast" in out, out
     assert "done" not in run.stdout, out
     words = "ranks disagree on the collective on group 'world': rank 1 called broadcast(int32[4]"
     # meshrun stops the job at the first failure (the root raises too if it gets there
