@@ -2,7 +2,9 @@
 
 A :class:`Supervisor` forks or spawns the ranks, reads their pipes (:mod:`meshcomm._run_output`),
 reaps them (through pidfds where the kernel has them), reacts to meshrun's own signals and to a
-rank's failure (SIGTERM, then SIGKILL after the grace period), gathers the ranks' reports
+rank's failure (SIGTERM, then SIGKILL after the grace period; each exit, and before the
+signals which rank failed, noted in the job's store for the survivors' errors:
+:mod:`meshcomm._exit_notes`), gathers the ranks' reports
 (:mod:`meshcomm._where`) and says at the end who failed and why. :func:`meshcomm.run.launch`
 runs one per attempt.
 """
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from meshcomm._exit_notes import ExitNotary, ExitNote
 from meshcomm._forkrun import fork_rank
 from meshcomm._procs import (
     describe_exit,
@@ -128,6 +131,9 @@ class Supervisor:
         self.report_dir = tempfile.mkdtemp(prefix="meshrun-report-")
         self.gathering: Gathering | None = None
         self.timeout_reported = False
+        # How each rank went, in the job's store (best effort: never delays a stop long).
+        self.notary = ExitNotary(config.master_addr, master_port, config.secret, restart)
+        self.stopped_after: int | None = None  # the rank whose failure stopped the others
 
     # -- starting -------------------------------------------------------------------------
 
@@ -284,6 +290,7 @@ class Supervisor:
             if code is None:
                 continue
             entry.returncode = code
+            self.notary.note(ExitNote(entry.rank, code, self.stopped_after))
             if entry.pidfd is not None:
                 self.selector.unregister(entry.pidfd)
                 os.close(entry.pidfd)
@@ -332,6 +339,10 @@ class Supervisor:
 
     def _begin_stop(self) -> None:
         self.kill_at = time.monotonic() + self.config.grace_period
+        if self.failures:
+            self.stopped_after = self.failures[0].rank
+        for entry in self.live():  # noted before the signal: survivors see it vanish later
+            self.notary.note(ExitNote(entry.rank, stopped_after=self.stopped_after))
         for entry in self.live():
             self._signal(entry, signal.SIGTERM)
 
@@ -360,6 +371,7 @@ class Supervisor:
         self._close()
 
     def _close(self) -> None:
+        self.notary.close()
         shutil.rmtree(self.report_dir, ignore_errors=True)
         for key in list(self.selector.get_map().values()):
             if isinstance(key.data, Lines):

@@ -9,6 +9,8 @@ Failure behaviour matches ``meshrun``: when one process raises (or exits non-zer
 from a signal), the others get SIGTERM, then SIGKILL after a grace period, and the parent
 raises :class:`ProcessRaisedException` (with the child's traceback text) or
 :class:`ProcessExitedException`. The processes die with the parent if it is killed (Linux).
+The parent notes each exit in the store, and before it stops the others which rank failed
+(:mod:`meshcomm._exit_notes`), so the survivors' errors name the first failure.
 
 The module is callable as :func:`spawn` itself, so both spellings of torch's work:
 ``import meshcomm.spawn as mp; mp.spawn(fn, nprocs=2)`` (as ``torch.multiprocessing``, with
@@ -34,6 +36,7 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from meshcomm._exit_notes import ExitNotary, ExitNote
 from meshcomm._launch_secret import launch_secret
 from meshcomm._procs import (
     DEFAULT_GRACE_PERIOD,
@@ -136,8 +139,11 @@ class SpawnContext:
         server: StoreServer | None,
         grace_period: float = DEFAULT_GRACE_PERIOD,
         torch_port: PortReservation | None = None,
+        notary: ExitNotary | None = None,
     ) -> None:
         self.processes = processes
+        self._notary = notary
+        self._stopped_after: int | None = None  # the failure the others were stopped for
         self._torch_port = torch_port
         self._errors: dict[int, Connection] = dict(enumerate(errors))
         self._tracebacks: dict[int, str] = {}
@@ -177,6 +183,7 @@ class SpawnContext:
                 failed = [r for r in self._exit_order if self.processes[r].exitcode != 0]
                 if failed:
                     running = sum(p.exitcode is None for p in self.processes)
+                    self._note_stopping(failed[0])
                     self.terminate()
                     self._failure = self._error(failed[0], running)
                     raise self._failure
@@ -188,7 +195,10 @@ class SpawnContext:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
                         return False
-                live = [p.sentinel for p in self.processes if p.exitcode is None]
+                # The ones _collect saw running (not ``exitcode is None`` again: one that exits
+                # in between would be left out of the wait, and seen only after _POLL_SECONDS).
+                exited = set(self._exit_order)
+                live = [p.sentinel for r, p in enumerate(self.processes) if r not in exited]
                 _wait_any([*live, *self._errors.values()], timeout=wait)
         except KeyboardInterrupt:
             self.terminate()
@@ -213,6 +223,15 @@ class SpawnContext:
         self._collect()
         self._finish()
 
+    def _note_stopping(self, failed: int) -> None:
+        """Note in the store, before the signals, that the running ranks are stopped after
+        rank ``failed``'s failure."""
+        self._stopped_after = failed
+        if self._notary is not None:
+            for rank, proc in enumerate(self.processes):
+                if proc.exitcode is None:
+                    self._notary.note(ExitNote(rank, stopped_after=failed))
+
     def _collect(self) -> None:
         """Read tracebacks that arrived and note processes that exited, in order."""
         for rank, conn in list(self._errors.items()):
@@ -225,11 +244,15 @@ class SpawnContext:
         for rank, proc in enumerate(self.processes):
             if rank not in self._exit_order and proc.exitcode is not None:
                 self._exit_order.append(rank)
+                if self._notary is not None and not self._done:
+                    self._notary.note(ExitNote(rank, proc.exitcode, self._stopped_after))
 
     def _finish(self) -> None:
         if self._done:
             return
         self._done = True
+        if self._notary is not None:
+            self._notary.close()
         for conn in self._errors.values():
             conn.close()
         self._errors.clear()
@@ -386,7 +409,8 @@ def spawn(
     except BaseException:
         SpawnContext(processes, readers, server, torch_port=torch_port).terminate()
         raise
-    context = SpawnContext(processes, readers, server, torch_port=torch_port)
+    notary = ExitNotary("127.0.0.1", server.port, secret)
+    context = SpawnContext(processes, readers, server, torch_port=torch_port, notary=notary)
     if not join:
         return context
     if not context.join(seconds):
