@@ -9,7 +9,14 @@ and the store keys every rank of the transport reads when something goes wrong:
   the failed one fail too;
 * a note per rank (:data:`LEFT_KEY`): why that rank gave up (its first error), written before
   it can close its channels, so a peer that sees it leave names the first failure instead of
-  calling it dead (:meth:`Faults.blame`).
+  calling it dead (:meth:`Faults.blame`);
+* the launcher's note on each rank's exit (:mod:`meshcomm._exit_notes`, under ``meshrun`` and
+  :func:`meshcomm.spawn`): its exit status, or that the launcher stopped it after another
+  rank failed.
+
+Before it blames a peer it saw go, a rank waits up to :data:`BLAME_GRACE` for the first
+failure's record (or the launcher's note on that peer): the rank that failed first may
+still be writing it, and a peer stopped or failed because of that failure is no culprit.
 
 The store may be gone with its host; that must not mask the error, so after one failed store
 operation of this path the others are skipped.
@@ -21,9 +28,11 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from meshcomm._exit_notes import ExitNote, launcher_rank, read_note
 from meshcomm.backends.tcp.abort import AbortRecord
 from meshcomm.errors import (
     CommError,
@@ -35,7 +44,15 @@ from meshcomm.errors import (
 )
 from meshcomm.store.base import Store
 
-__all__ = ["ABORT_KEY", "GOODBYE", "LEFT_KEY", "NO_GOODBYE", "Faults"]
+__all__ = [
+    "ABORT_KEY",
+    "BLAME_GRACE",
+    "GOODBYE",
+    "LEFT_KEY",
+    "NOTE_GRACE",
+    "NO_GOODBYE",
+    "Faults",
+]
 
 ABORT_KEY = "meshcomm/tcp/abort"
 #: + the rank: why a rank gave up (its first error), written before it can leave.
@@ -45,6 +62,13 @@ GOODBYE = "closed its communicator"
 #: How a peer whose socket ended between frames without a GOODBYE went.
 NO_GOODBYE = "its connection closed (EOF) without a goodbye"
 _NOTE_MAX = 1000
+#: Seconds a rank that saw a peer go waits at most for the first failure's abort record (or
+#: the launcher's note on that peer) before it blames the peer.
+BLAME_GRACE = 0.5
+#: Seconds it waits at most for the launcher's note on that peer, where its launcher writes
+#: them (the note comes within milliseconds of the peer's exit unless the launcher is slow).
+NOTE_GRACE = 2.0
+_GRACE_POLL = 0.02
 _T = TypeVar("_T")
 
 
@@ -72,6 +96,8 @@ class Faults:
         self.gone: dict[int, str] = {}
         self._store = store
         self._store_lost = False  # a store operation of the failure path failed
+        # The launcher's exit notes speak of its ranks: only where they are ours.
+        self._notes = launcher_rank(rank, size)
 
     @property
     def store_lost(self) -> bool:
@@ -128,27 +154,40 @@ class Faults:
 
         A rank that fails publishes its abort record (or finds one) and notes why it gives
         up (:data:`LEFT_KEY`) before it raises, so before it can close its channels. So a
-        record already in the store that names another rank is the failure ``peer`` left
-        after: ``peer`` is a survivor, and the report names the rank that really failed. A
-        note without such a record says ``peer`` left after its own error (a timeout): it
-        is blamed, but not called dead, and no record is written (timeouts write none).
-        Only with neither is ``peer`` taken for dead.
+        record that names another rank is the failure ``peer`` left after: ``peer`` is a
+        survivor, and the report names the rank that really failed. That record may still
+        be on its way (its writer saw the failure at the same time as ``peer`` did), so
+        unless it is there or the launcher's note on ``peer`` settles the matter, this
+        waits up to :data:`BLAME_GRACE` for it. The launcher's note names the first
+        failure when the launcher stopped ``peer`` because of it, and says how ``peer``
+        went otherwise: a peer that exited normally or with an error status is blamed but
+        not called dead. A note of ``peer``'s own without such a record says it left after
+        its own error (a timeout): it is blamed, but not called dead, and no record is
+        written (timeouts write none). Only with none of these is ``peer`` taken for dead.
 
         Returns:
             The reason to report and the global rank to blame.
         """
         seen = f"{where}seen by rank {self.rank}"
-        record = self.read_abort()
+        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
+        record, note = self._settle(peer, left=why is not None)
         if record is not None and record.mismatch:
             # It left after the ranks disagreed on a call: that is the error, in words.
             raise MismatchError(record.reason)
-        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
+        found = self._after(record, peer, how, seen) or self._stopped_after(note, peer, how, seen)
+        if found is not None:
+            return found
         if why is not None:
-            # It failed and left: not a death, and (as for timeouts) no abort record; a
-            # failure the abort record names came first and is the one to blame.
-            reason = f"rank {peer} left after its own error ({why}; {seen})"
-            return self._after(self.read_abort(), peer, how, seen) or (reason, peer)
-        reason = f"rank {peer} died: {how} ({seen})"
+            # It failed and left: not a death, and (as for timeouts) no abort record.
+            return f"rank {peer} left after its own error ({why}; {seen})", peer
+        if note is not None and (note.code is None or note.code >= 0):
+            # It exited on its own (normally, or with an error status), or its launcher
+            # stopped it: not a death.
+            reason = f"rank {peer} {note.words()} ({how}, {seen})"
+        elif note is not None:
+            reason = f"rank {peer} died: {how} ({seen}; its launcher says it {note.words()})"
+        else:
+            reason = f"rank {peer} died: {how} ({seen})"
         record = self._swap_abort(AbortRecord(peer, reason))
         if record is None:
             # No store (it may have died with its host): a death this rank saw itself earlier
@@ -159,6 +198,61 @@ class Faults:
                 record = AbortRecord(earlier[0], why)
         return self._after(record, peer, how, seen) or (reason, peer)
 
+    def _settle(self, peer: int, left: bool) -> tuple[AbortRecord | None, ExitNote | None]:
+        """The abort record and the launcher's note on ``peer``, once they say who failed.
+
+        Waits up to :data:`BLAME_GRACE` while there is no record, and no note on ``peer``
+        that says more than its own error (``left``: ``peer`` noted an error of its own,
+        which may have come from a failure whose record is still on its way); under a
+        launcher that writes notes, up to :data:`NOTE_GRACE` for the note on ``peer`` (a
+        process's sockets close a moment before its launcher can reap it, and a loaded
+        launcher may take a while longer).
+        """
+        start = time.monotonic()
+        while True:
+            record = self.read_abort()
+            note = self._read_note(peer)
+            if record is not None or self._store_lost:
+                return record, note
+            if note is not None and (not left or note.stopped_after is not None):
+                return record, note
+            if self.size <= 2 and not self._notes:
+                return record, note  # nobody else could write a record
+            waited = time.monotonic() - start
+            if waited >= BLAME_GRACE and (note is not None or not self._notes):
+                return record, note
+            if waited >= NOTE_GRACE:
+                return record, note
+            time.sleep(_GRACE_POLL)
+
+    def _read_note(self, peer: int) -> ExitNote | None:
+        """The launcher's note on ``peer``, if it is the launcher's rank and left one."""
+        if not self._notes:
+            return None
+        return self._store_op(lambda: read_note(self._store, peer))
+
+    def _stopped_after(
+        self, note: ExitNote | None, peer: int, how: str, seen: str
+    ) -> tuple[str, int] | None:
+        """When the launcher stopped ``peer`` after another rank failed: that failure as the
+        abort record (published if first), and the report that ``peer`` left after it."""
+        first = note.stopped_after if note is not None else None
+        if first is None or first in (peer, self.rank):
+            return None
+        first_note = self._read_note(first)
+        said = f"its launcher says so; seen by rank {self.rank}"
+        if first_note is None:
+            reason = f"rank {first} failed (its launcher stopped the others; {said})"
+        elif first_note.code is not None and first_note.code < 0:
+            reason = f"rank {first} died: it {first_note.words()} ({said})"
+        else:
+            reason = f"rank {first} {first_note.words()} ({said})"
+        record = self._swap_abort(AbortRecord(first, reason))
+        if record is not None and record.mismatch:
+            raise MismatchError(record.reason)
+        how = f"{note.words() if note is not None else how}: {how}"
+        return self._after(record or AbortRecord(first, reason), peer, how, seen)
+
     def note_leaving(self, exc: CommError) -> None:
         """Say in the store why this rank is giving up, before it can close its channels, so
         that a peer that sees it go does not take it for dead."""
@@ -168,15 +262,20 @@ class Faults:
     def left_after_failure(self, peer: int, how: str) -> PeerError | None:
         """The error for a same-host peer whose buffer went away under a copy, if it failed or
         left after a failure the abort record names (it stopped waiting for us and freed
-        the buffer); None without a record (the ranks disagree: a protocol error)."""
-        record = self.read_abort()
-        if record is None:
-            return None
+        the buffer), or after an error of its own (its note); None with neither (the ranks
+        disagree: a protocol error). Waits for the record as :meth:`blame` does."""
+        why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
+        record, note = self._settle(peer, left=why is not None)
         seen = f"seen by rank {self.rank}"
-        if record.rank == peer:
+        if record is not None and record.rank == peer:
             return PeerError(f"rank {self.rank}: peer {record} (then: {how}, {seen})", peer)
-        found = self._after(record, peer, how, seen)
-        return PeerError(f"rank {self.rank}: {found[0]}", found[1]) if found else None
+        found = self._after(record, peer, how, seen) or self._stopped_after(note, peer, how, seen)
+        if found is not None:
+            return PeerError(f"rank {self.rank}: {found[0]}", found[1])
+        if why is not None:
+            reason = f"rank {peer} left after its own error ({why}; then: {how}, {seen})"
+            return PeerError(f"rank {self.rank}: {reason}", peer)
+        return None
 
     def _after(
         self, record: AbortRecord | None, peer: int, how: str, seen: str
