@@ -5,8 +5,14 @@ Run under a launcher (two or more ranks)::
     .venv/bin/meshrun --nproc-per-node 2 bench/mismatch_overhead.py [--iters 2000] [--repeats 7]
     MESHCOMM_TRANSPORT=tcp .venv/bin/meshrun --nproc-per-node 4 bench/mismatch_overhead.py
 
-Under mpi (``meshrun --backend mpi``) the default is the first-call check: what differs per
-call is the direct path's look-up of the call's signature among the checked ones.
+Under mpi (``meshrun --backend mpi``) the default is the first-call check and the running
+hash of the calls (:mod:`meshcomm._mpi_history`): what differs per call is the direct path's
+look-up of the call's signature among the checked ones and the hash's update; every 128th
+call also finishes one 8-byte comparison of it and starts the next (no wait for the
+others). ``--history`` compares with and without the running hash and its comparisons (the
+first-call checks on in both)::
+
+    .venv/bin/meshrun --backend mpi --nproc-per-node 2 bench/mismatch_overhead.py --history
 
 Times (microseconds per call) a float32 ``ProcessGroup.all_reduce`` of ``--bytes`` bytes
 (default 8; the direct path; ``--op broadcast reduce gather scatter``: those from rank 0 too,
@@ -33,11 +39,18 @@ from meshcomm import world
 from meshcomm.group import ProcessGroup
 
 
-def _checks(group: ProcessGroup, state: tuple[Any, Any], on: bool) -> None:
-    """Turn the checks of ``group`` on (its stamp holder, or its set of checked signatures
-    on mpi, back) or off (as OFF makes it: neither)."""
-    holder, seen = state
-    issuer = group._issuer  # where a group's calls read both
+def _checks(group: ProcessGroup, state: list[Any], on: bool, history_only: bool) -> None:
+    """Turn the checks of ``group`` on (its stamp holder, or on mpi its set of checked
+    signatures and its running hash, back) or off (as OFF makes it: none; ``history_only``:
+    the running hash alone). ``state``: the three as they were, the hash kept while off
+    (every rank turns it off and on after the same calls)."""
+    holder, seen, _ = state
+    issuer = group._issuer  # where a group's calls read them
+    if not on and issuer.history is not None:
+        state[2] = issuer.history
+    issuer.history = state[2] if on else None
+    if history_only:
+        return
     issuer._stamper = holder if on else None
     issuer._seen = seen if on else None
     if not on and holder is not None:
@@ -65,21 +78,31 @@ def _loop(group: ProcessGroup, x: np.ndarray, iters: int, op: str) -> float:
 
 
 def _side_by_side(
-    group: ProcessGroup, name: str, x: np.ndarray, op: str, iters: int, repeats: int
+    group: ProcessGroup,
+    name: str,
+    x: np.ndarray,
+    op: str,
+    iters: int,
+    repeats: int,
+    history_only: bool = False,
 ) -> tuple[float, float]:
-    """Medians (us per call) of ``op`` on ``group`` with the default checks and without."""
-    holder = (group._issuer._stamper, group._issuer._seen)
-    if holder == (None, None):
+    """Medians (us per call) of ``op`` on ``group`` with the default checks and without
+    (``history_only``: with the running hash and without)."""
+    issuer = group._issuer
+    state = [issuer._stamper, issuer._seen, issuer.history]
+    if state[:2] == [None, None]:
         raise SystemExit(f"{name}: no checks (MESHCOMM_DEBUG is set)")
+    if history_only and state[2] is None:
+        raise SystemExit(f"{name}: no running hash (--history is for the mpi backend)")
     times: dict[bool, list[float]] = {True: [], False: []}
     for on in (True, False):  # warm both: the direct path is learned, channels opened
-        _checks(group, holder, on)
+        _checks(group, state, on, history_only)
         _loop(group, x, max(1, iters // 10), op)
     for r in range(repeats):
         for on in (True, False) if r % 2 == 0 else (False, True):
-            _checks(group, holder, on)
+            _checks(group, state, on, history_only)
             times[on].append(_loop(group, x, iters, op))
-    _checks(group, holder, True)
+    _checks(group, state, True, history_only)
     return statistics.median(times[True]), statistics.median(times[False])
 
 
@@ -89,6 +112,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--bytes", type=int, default=8)
     p.add_argument("--op", nargs="+", choices=[*OPS, "rooted"], default=["all_reduce"])
+    p.add_argument("--history", action="store_true", help="mpi: the running hash alone")
     args = p.parse_args()
     ops = list(OPS) if "rooted" in args.op else args.op
 
@@ -98,7 +122,9 @@ def main() -> None:
     rows = []
     for op in ops:
         for name, group in (("world", top), ("subgroup", sub)):
-            on_us, off_us = _side_by_side(group, name, x, op, args.iters, args.repeats)
+            on_us, off_us = _side_by_side(
+                group, name, x, op, args.iters, args.repeats, args.history
+            )
             comm: Any = group._comm
             kinds = (
                 sorted(set(comm.transport.channels.values())) if comm.backend_name == "tcp" else []
@@ -108,8 +134,9 @@ def main() -> None:
             rows.append((op, name, ",".join(kinds), on_us, off_us))
     if top.rank == 0:
         print(f"float32 {args.bytes} B, world {top.size}, {args.repeats} x {args.iters}")
+        off = "no hash us" if args.history else "OFF us"
         print(
-            f"{'op':<11} {'group':<10} {'channels':<10} {'default us':>11} {'OFF us':>9} "
+            f"{'op':<11} {'group':<10} {'channels':<10} {'default us':>11} {off:>9} "
             f"{'ratio':>7} {'+us':>7}"
         )
         for op, name, kinds, on_us, off_us in rows:

@@ -41,6 +41,7 @@ __all__ = [
     "differing",
     "judged",
     "mismatch_words",
+    "render",
     "stamped",
     "traced",
 ]
@@ -127,7 +128,7 @@ def differing(records: Sequence[dict[str, Any] | None]) -> tuple[set[str], bool]
 
 def _mine(record: dict[str, Any] | None, op: str, seq: int) -> str:
     """This rank's call for :func:`~meshcomm._fingerprint.check_first`'s words round: the
-    record as JSON (a pytree's words cut to fit), rendered by :func:`_render`."""
+    record as JSON (a pytree's words cut to fit), rendered by :func:`render`."""
     if record is None:
         return json.dumps({"op": op, "seq": seq})
     fields = {k: record.get(k) for k in _SHOWN}
@@ -140,7 +141,7 @@ def _mine(record: dict[str, Any] | None, op: str, seq: int) -> str:
 _SHOWN = ("name", "dtype", "shape", "reduce", "root", "device", "args", "over", "tree", "site")
 
 
-def _render(texts: list[str], label: str) -> list[str]:
+def render(texts: list[str], label: str) -> list[str]:
     """Every rank's :func:`_mine` in words, showing the arguments in which they differ
     (a text that is not such JSON, as it is)."""
     parsed: list[tuple[dict[str, Any] | None, str, int] | None] = []
@@ -280,14 +281,14 @@ def checked_first(
     def mine() -> str:
         return _mine(None if entry is None else _ledger.record(entry, time.monotonic()), op, seq)
 
-    def render(texts: list[str]) -> list[str]:
-        return _render(texts, label)
+    def shown(texts: list[str]) -> list[str]:
+        return render(texts, label)
 
     def run_checked() -> Any:
         if sig not in seen:
             try:
                 _fingerprint.check_first(
-                    comm, row, ranks, label, mine, comm.check_all_gather, render
+                    comm, row, ranks, label, mine, comm.check_all_gather, shown
                 )
             except CommTimeout as exc:  # name the user's call, not the check's all_gather
                 raise CommTimeout(f"{what}, checking its first call: {exc}") from exc

@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
-from meshcomm import _call_checks, _device_lower, _fingerprint, _ledger, _lower, _plans, _staging
+from meshcomm import (
+    _call_checks,
+    _device_lower,
+    _fingerprint,
+    _ledger,
+    _lower,
+    _mpi_history,
+    _plans,
+    _staging,
+)
 from meshcomm import trace as _trace
 from meshcomm._arrays import ResultPool
 from meshcomm.backends.base import Communicator, Runner
@@ -52,6 +61,9 @@ _POOLED = ResultPool.MIN_BYTES
 
 # _fingerprint's stamp layout: a plan's call stamps ``plan.stamp_base | (seq & _SEQ_MASK)``.
 _SEQ_MASK = (1 << _fingerprint.SEQ_BITS) - 1
+# Call ``seq`` steps the comparison of the running hash (_mpi_history) when
+# ``not seq & _HISTORY``.
+_HISTORY = _mpi_history.MASK
 #: Collectives whose fingerprints leave out where the caller's array lives.
 _LOCATION_FREE = frozenset({"broadcast", "scatter"})
 
@@ -73,6 +85,8 @@ class Issuer:
         book: the group's ledger.
         plans: the plan of each call signature seen, by key (the collective's name first).
         seq: the number of collectives issued so far.
+        history: where the backend carries no stamps, the running hash of the calls'
+            signatures (:mod:`meshcomm._mpi_history`); else None.
         debug: as given.
         checks: as given.
     """
@@ -108,6 +122,10 @@ class Issuer:
         # stamp (stamps ride on host messages), so where the host's calls are stamped they
         # get a set of their own; otherwise they share the host's (mpi; None: no checks).
         self._device_seen: set[int] | None = set() if holder is not None else self._seen
+        # Backends without stamps: the running hash of every call's signature (None: not
+        # kept), and its comparison in flight (_mpi_history.step).
+        self.history: int | None = None if self._seen is None else 0
+        self._pending: _mpi_history.Pending | None = None
         self.seq = 0
         self.book = _ledger.Ledger(_ledger.ledger_length())
         self._closed = False
@@ -127,6 +145,9 @@ class Issuer:
         route raises), let queued operations finish (up to ``timeout``), drop the plans."""
         self._closed = True
         self.engine.close(reason, timeout)
+        if self.engine.failure is None:  # the others start it too: let it end first
+            _mpi_history.wait_quietly(self._pending, timeout)
+        self._pending = None
         self.plans.clear()
 
     # -- lowered calls -------------------------------------------------------------------
@@ -197,13 +218,18 @@ class Issuer:
             words = self._words(op, seq, entry)
             body = _call_checks.stamped(body, self._stamper, stamp, words)
         seen = self._device_seen if over_device else self._seen
-        if seen is not None:
+        history = self.history
+        if seen is not None or history is not None:
             sig = _fingerprint.signature_of(op, fields, on_device)
-            if sig not in seen:
+            if seen is not None and sig not in seen:
                 row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
                 body = _call_checks.checked_first(
                     group, self._comm, body, row, sig, seen, op, seq, label, entry
                 )
+            if history is not None:
+                if not seq & _HISTORY:  # before the first-call check, on every rank
+                    body = self._stepped(body, history, op, seq, label, entry)
+                self.history = hash((history, sig))  # _mpi_history.fold
         if entry is not None and async_op:
             body = _call_checks.booked(entry, body)  # it ends on the engine's thread
         try:
@@ -248,6 +274,7 @@ class Issuer:
         """
         engine = self.engine
         seen = self._device_seen
+        history = self.history
         if (
             self.debug
             or _trace.active is not None
@@ -264,6 +291,10 @@ class Issuer:
         name, book = plan.collective, self.book
         entry = book.add(seq, name, plan.dtype, plan.in_shape, plan.ledger_fields)
         try:
+            if history is not None:
+                if not seq & _HISTORY:  # nothing in flight: the engine is claimed
+                    self._step(history, name, seq)
+                self.history = hash((history, plan.sig))  # _mpi_history.fold, inline
             result = plan.run(x)
             book.end(entry, False)
         except BaseException as exc:
@@ -319,11 +350,14 @@ class Issuer:
         go through :meth:`_run_plan_on_copy`.
 
         The fast case runs it here, on the claimed engine, with only the ledger entry and
-        the stamp around it (computed inline: a function call is a tenth of what this
-        costs; at 8 bytes MPI takes about 1 us, and with more ranks than cores every layer
-        here costs several times its own time). A call that needs more (a ``DETAIL`` or
-        first-call check, a trace) or finds the engine taken (queued work, another thread,
-        a failed or closed group) hands the same runner to :meth:`issue`.
+        the stamp around it, or where the backend has no stamps the running hash of the
+        signatures (:mod:`meshcomm._mpi_history`; both computed inline: a function call is
+        a tenth of what this costs; at 8 bytes MPI takes about 1 us, and with more ranks
+        than cores every layer here costs several times its own time). A call that needs
+        more (a ``DETAIL`` or first-call check, a trace) or finds the engine taken (queued
+        work, another thread, a failed or closed group) hands the same runner to
+        :meth:`issue`; every 128th call first steps the comparison of the running hash
+        (:meth:`_step`; the claimed engine has nothing in flight).
         """
         engine, dtype, run = self.engine, plan.dtype, plan.run
         if out is not None:
@@ -342,7 +376,7 @@ class Issuer:
             out = np.empty(plan.shape, dtype)
         else:
             out = engine.results.take(dtype, plan.count).reshape(plan.shape)
-        seen = self._seen
+        seen, history = self._seen, self.history
         if (
             self.debug
             or _trace.active is not None
@@ -362,6 +396,10 @@ class Issuer:
         if stamper is not None:
             stamper.stamp = plan.stamp_base | (seq & _SEQ_MASK)
         try:
+            if history is not None:
+                if not seq & _HISTORY:  # nothing in flight: the engine is claimed
+                    self._step(history, name, seq)
+                self.history = hash((history, plan.sig))  # _mpi_history.fold, inline
             run(x, out)
             book.end(entry, False)
         except BaseException as exc:
@@ -406,6 +444,59 @@ class Issuer:
             return out
 
         return self.issue(plan.collective, (body, plan.fields), async_op)
+
+    def _stepped(
+        self,
+        body: Callable[[], Any],
+        history: int,
+        op: str,
+        seq: int,
+        label: str,
+        entry: _ledger.Entry | None,
+    ) -> Callable[[], Any]:
+        """``body`` of call ``seq`` after :meth:`_step`, with none of the group's earlier
+        calls in flight: here, after waiting (up to the group's timeout) for its queued ones.
+
+        A call issued on the progress thread (a Future callback) cannot wait for the queue it
+        runs in: its step runs first in its body, on that thread, once the calls queued
+        before it have finished (the same point in the stream as the other ranks').
+        """
+        engine = self.engine
+        if engine.on_progress_thread():
+
+            def run_stepped() -> Any:
+                self._step(history, op, seq)
+                return body()
+
+            return run_stepped
+        try:
+            timeout = self._group.timeout
+            if not engine.drain(timeout):
+                raise CommTimeout(
+                    f"{label}: the group's earlier calls did not finish within {timeout:g} s "
+                    "(waited for before comparing the calls before it)"
+                )
+            engine.check(label)  # an earlier asynchronous call failed
+            self._step(history, op, seq)
+        except BaseException as exc:
+            engine.poison(exc, label)
+            self._raise_judged(exc, op, seq, entry)
+        return body
+
+    def _step(self, history: int, op: str, seq: int) -> None:
+        """:func:`meshcomm._mpi_history.step` before call ``seq`` (``op``; ``history``: the
+        hash of the calls before it), none of the group's earlier calls in flight; a timeout
+        names the call."""
+        pending = self._pending
+        try:
+            self._pending = _mpi_history.step(
+                self._group, self._comm, self.book, pending, history, seq
+            )
+        except CommTimeout as exc:  # name the user's call, not the check's all_gather
+            upto = "?" if pending is None else pending.upto
+            raise CommTimeout(
+                f"{op} (op #{seq}) on {self._where}, comparing the calls before op #{upto}: {exc}"
+            ) from exc
 
     # -- failures ------------------------------------------------------------------------
     def _raise_judged(

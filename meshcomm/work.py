@@ -282,6 +282,10 @@ class ProgressEngine:
             self._cv.notify_all()
         lock.release()
 
+    def on_progress_thread(self) -> bool:
+        """Whether the caller is the engine's progress thread (a Future callback)."""
+        return self._thread_id == threading.get_ident()
+
     def run_claimed(self, fn: Callable[[], T], label: str) -> T:
         """Run ``fn`` on the engine taken with :meth:`claim`, then release it.
 

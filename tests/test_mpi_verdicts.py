@@ -56,14 +56,59 @@ time.sleep(1.0)  # rank 0's store outlives the others' verdicts
 meshcomm.shutdown()
 """
 
+# Two signatures every rank has checked, then called against each other by the last rank
+# (``mismatch``) or not (``agree``), then a loop of 999 synchronous and asynchronous calls
+# (two all_reduces in flight, then a psum), then op #1024 issued by a callback of op #1023:
+# on rank 0 on the progress thread (the others' op #1023 starts after rank 0's barrier).
+_KNOWN = """
+import os, sys, time, threading, numpy as np, meshcomm
+from meshcomm import ops
+from meshcomm.errors import CommError
+from mpi4py import MPI
+
+world = meshcomm.init()
+mesh = meshcomm.init_device_mesh((world.size,), mesh_dim_names=("dp",))
+odd = sys.argv[1] == "mismatch" and world.rank == world.size - 1
+a, b = np.ones(4, np.float32), np.ones(4, np.int32)
+ops.psum(a, "dp", mesh=mesh), ops.psum(b, "dp", mesh=mesh)  # both checked on every rank
+try:
+    ops.psum(b if odd else a, "dp", mesh=mesh)  # op #3: MPI pairs them, with wrong results
+    for calls in range(3, 1002, 3):  # op #128 and #256 are asynchronous, #384 a psum
+        works = [world.all_reduce(b, async_op=True) for _ in range(2)]
+        total = ops.psum(a, "dp", mesh=mesh)
+        assert all((w.wait() == world.size).all() for w in works) and (total == world.size).all()
+    for _ in range(20):
+        ops.psum(a, "dp", mesh=mesh)
+    later, where = [], []
+
+    def call_from(future):
+        where.append(threading.current_thread().name)
+        later.append(world.all_reduce(b, async_op=True))  # op #1024
+
+    if world.rank == 0:
+        world.all_reduce(b, async_op=True).get_future().add_done_callback(call_from)
+    MPI.COMM_WORLD.Barrier()
+    if world.rank != 0:
+        world.all_reduce(b, async_op=True).get_future().add_done_callback(call_from)
+    while not later:
+        time.sleep(0.001)
+    assert (later[0].wait() == world.size).all() and world._issuer.seq == 1024
+    text = f"no error in 1024 calls, op #1024 from {where[0].split(' ')[0]}"
+except CommError as exc:
+    text = f"{type(exc).__name__}: {exc}"
+line = f"rank {world.rank}: " + text.replace(chr(10), " | ") + chr(10)
+os.write(2, line.encode())  # one write: mpiexec interleaves the ranks' writes
+meshcomm.shutdown()
+"""
+
 _SLEEP_ENV = {"MESHCOMM_TIMEOUT": "6", "MESHCOMM_HANG_WARN": "2"}
 _MISMATCH_ENV = {"MESHCOMM_TIMEOUT": "2", "MESHCOMM_HANG_WARN": "0"}
 _WARNING = "meshcomm: warning: rank "
 
 
-def _job(tmp_path: Path) -> Path:
-    path = tmp_path / "job.py"
-    path.write_text(_JOB)
+def _job(tmp_path: Path, name: str = "job.py", text: str = _JOB) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
     return path
 
 
@@ -117,19 +162,21 @@ def _check_sleep(err: str, size: int, where: str, sleeper: int | None = None) ->
     assert f"so far: rank {sleeper} has not entered psum #2" in text, text
 
 
-def _check_mismatch(err: str, size: int) -> None:
-    """Every rank raises MismatchError (MismatchTimeout) naming both calls."""
+def _check_mismatch(
+    err: str, size: int, kind: str = "MismatchTimeout", site: str = "at job.py:22 (op #2)"
+) -> dict[int, str]:
+    """Every rank raises MismatchError (``kind``) naming both calls (each ``site``: where
+    and which op); returns each rank's line."""
     lines = _errors(err, size)
     last = size - 1
     others = "rank 0" if size == 2 else "ranks " + ", ".join(map(str, range(last)))
     for r in range(size):
         line = lines.get(r, "")
-        assert line.startswith(f"rank {r}: MismatchTimeout: ranks disagree on the collective"), err[
-            -3000:
-        ]
+        assert line.startswith(f"rank {r}: {kind}: ranks disagree on the collective"), err[-3000:]
         assert f"{others} called psum(float32[4], sum)" in line, line
         assert f"rank {last} called psum(int32[4], sum)" in line, line
-        assert line.count("at job.py:22 (op #2)") == 2, line
+        assert line.count(site) == 2, line
+    return lines
 
 
 # -- mpi, under a bare mpiexec ------------------------------------------------------------------
@@ -151,6 +198,42 @@ def test_mpiexec_int32_against_float32_is_a_mismatch_error(tmp_path: Path, size:
     run = mpirun(size, ["mismatch"], script=[str(_job(tmp_path))], env=_MISMATCH_ENV, timeout=60)
     assert run.rc == 0, run.tail()
     _check_mismatch(run.err, size)
+
+
+@mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_mpiexec_checked_signatures_against_each_other_raise_by_op_256(
+    tmp_path: Path, size: int
+) -> None:
+    """MPI returns wrong values at op #3 (both signatures checked before); op #128 starts
+    the comparison of the running hash of the calls before it and op #256 (both
+    asynchronous calls, with others in flight) finishes it: every rank raises the same
+    MismatchError there, naming both calls of op #3."""
+    job = _job(tmp_path, "known.py", _KNOWN)
+    run = mpirun(size, ["mismatch"], script=[str(job)], env={"MESHCOMM_TIMEOUT": "30"}, timeout=90)
+    assert run.rc == 0, run.tail()
+    lines = _check_mismatch(run.err, size, "MismatchError", "at known.py:13 (op #3)")
+    assert len(set(line.split(": ", 1)[1] for line in lines.values())) == 1, lines
+    for line in lines.values():
+        assert "each returned, with wrong results" in line, line
+        assert "found at op #256, comparing the calls before op #128" in line, line
+
+
+@mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_mpiexec_agreeing_sync_and_async_calls_never_raise(tmp_path: Path, size: int) -> None:
+    """1024 calls, with asynchronous ones in flight at every 128th (asynchronous calls and
+    psums), where the comparisons of the running hash finish and start, and op #1024 issued
+    by a callback (on rank 0 on the progress thread, which steps there): none raises, none
+    hangs."""
+    job = _job(tmp_path, "known.py", _KNOWN)
+    run = mpirun(size, ["agree"], script=[str(job)], env={"MESHCOMM_TIMEOUT": "30"}, timeout=90)
+    assert run.rc == 0, run.tail()
+    lines = _errors(run.err, size)
+    assert lines.get(0) == "rank 0: no error in 1024 calls, op #1024 from meshcomm-progress", lines
+    assert all(lines.get(r, "").startswith(f"rank {r}: no error in 1024") for r in range(size)), (
+        lines
+    )
 
 
 @mpi
@@ -219,8 +302,5 @@ def test_tcp_mismatch_is_still_caught_at_once(tmp_path: Path) -> None:
     start = time.monotonic()
     rc, _, err = _meshrun(tmp_path, "tcp", 2, ["mismatch"], env)
     assert rc == 0, err[-3000:]
-    for r, line in _errors(err, 2).items():
-        assert line.startswith(f"rank {r}: MismatchError: ranks disagree"), err[-3000:]
-        assert "rank 1 called psum(int32[4], sum)" in line, line
-        assert line.count("at job.py:22 (op #2)") == 2, line
+    _check_mismatch(err, 2, "MismatchError")
     assert time.monotonic() - start < 25, err[-3000:]

@@ -14,7 +14,8 @@ Besides the abstract primitives, the class declares the optional routes a backen
 ``all_reduce_out`` and ``broadcast_out`` (out of place; the defaults copy, then run the
 in-place primitive), :meth:`Communicator.runner` (a runner prepared for one call signature;
 default None: not offered), :meth:`Communicator.check_all_gather` (default: ``all_gather``)
-and :meth:`Communicator.grid_splitter` (default None: no grid primitive), and the payload
+and its started form :meth:`Communicator.start_check_all_gather` (default: run now),
+:meth:`Communicator.grid_splitter` (default None: no grid primitive), and the payload
 routes of device point-to-point (:meth:`Communicator.send_payload`,
 :meth:`Communicator.recv_payload`, :meth:`Communicator.ready_token`; defaults over
 ``permute``).
@@ -97,6 +98,18 @@ class Communicator(ABC):
         duplicate) overrides it, so a rank alone in a check never matches the others'
         collective."""
         self.all_gather(send, recv)
+
+    def start_check_all_gather(
+        self, send: np.ndarray, recv: np.ndarray
+    ) -> Callable[[float | None], None]:
+        """:meth:`check_all_gather` started; returns the function that waits for it to
+        complete (at most the given seconds, None: the communicator's timeout; raises
+        :class:`~meshcomm.errors.CommTimeout` after it). ``send`` and ``recv`` must stay
+        untouched until then. Every rank starts these in the same order relative to its
+        other checks. Default: run now, and a wait that returns at once; mpi starts
+        ``MPI_Iallgather`` on the point-to-point duplicate."""
+        self.check_all_gather(send, recv)
+        return _done
 
     # -- optional routes -----------------------------------------------------------------
     def runner(self, collective: str, dtype: np.dtype, arg: ReduceOp | int | None) -> Runner | None:
@@ -269,3 +282,7 @@ class Communicator(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release what this communicator holds. Idempotent."""
+
+
+def _done(timeout: float | None = None) -> None:
+    """The wait of an operation complete already."""

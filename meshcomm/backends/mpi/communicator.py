@@ -392,6 +392,13 @@ class MpiCommunicator(MpiRunners, Communicator):
         other's bytes as their own."""
         self._run("all_gather", self._start_check_gather, send, recv)
 
+    def start_check_all_gather(
+        self, send: np.ndarray, recv: np.ndarray
+    ) -> Callable[[float | None], None]:
+        """:meth:`check_all_gather` started (``MPI_Iallgather`` on the point-to-point
+        duplicate); returns its request's wait (the communicator's timeout by default)."""
+        return self._start("all_gather", self._start_check_gather, send, recv).wait
+
     def _start_reduce_scatter(self, send: Any, recv: Any, op: ReduceOp) -> Started:
         red = self._reductions.get((send.dtype, op)) or self._reduction(send.dtype, op)
         s, _ = self._device(send, True, False, red.user_defined)
