@@ -45,7 +45,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from meshcomm import _heads
-from meshcomm.backends.tcp.alarm import parse_request
 from meshcomm.errors import MeshCommError, StoreTimeout
 from meshcomm.store.base import Store
 from meshcomm.store.memory import HashStore
@@ -178,6 +177,18 @@ def _call_answer(world: ProcessGroup, request: bytes) -> bytes:
     return json.dumps({"record": found}).encode()
 
 
+#: How a mismatch announced by the tcp backend's alarm starts (its ``ALARM_REQUEST``).
+_ALARM = b"mismatch\n"
+
+
+def _announced(request: bytes) -> tuple[str, str] | None:
+    """The group and words of an announced mismatch (imported here: only the tcp backend
+    announces, and a world may form without it)."""
+    from meshcomm.backends.tcp.alarm import parse_request
+
+    return parse_request(request)
+
+
 def _own_connection(store: Store) -> tuple[Store, bool] | None:
     """A store the responder may block in without stalling the rank's own calls, and
     whether it is a new connection (the responder closes it); None if there is none."""
@@ -247,7 +258,7 @@ class Responder:
                 request = store.get(key)
                 if request == b"stop" or self._stopping:
                     return
-                if (announced := parse_request(request)) is not None:
+                if request.startswith(_ALARM) and (announced := _announced(request)):
                     # A mismatch announced (meshcomm.backends.tcp.alarm); nobody waits for
                     # an answer. The store admits only the job's ranks.
                     self._world._comm.notice_mismatch(*announced)
