@@ -101,7 +101,8 @@ def test_benches_that_read_a_groups_internals_still_run() -> None:
     out = _run(str(BIN / "meshrun"), "--nproc-per-node", "2", script, "--iters", "5",
                "--repeats", "1")  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert re.search(r"world +\S+ +[\d.]+ +[\d.]+ +[\d.]+$", out.stdout, re.M), out.stdout
+    row = r"world +\S+ +[\d.]+ +[\d.]+ +[\d.]+ +[-+][\d.]+$"  # op, group, channels, figures
+    assert re.search(row, out.stdout, re.M), out.stdout
     tree = str(REPO / "bench" / "tree_overhead.py")
     out = _run(sys.executable, tree, str(REPO), str(REPO), "--iters", "20", "--rounds", "1")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
