@@ -217,6 +217,13 @@ def _raised_alike(name: str, backend: str, nprocs: int, *fragments: str) -> str:
     return text
 
 
+def _one_result_everywhere(name: str, backend: str, nprocs: int) -> None:
+    """Every rank returned from case ``name`` without an error, the same result on all."""
+    seen = [r[name] for r in _results(backend, nprocs)]
+    assert all(kind == "ok" for kind, _ in seen), seen
+    assert len({text for _, text in seen}) == 1, seen
+
+
 # == the tests ===============================================================================
 @pytest.mark.parametrize("nprocs", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -304,9 +311,7 @@ def test_a_packed_trees_own_arguments_are_checked(backend: str, nprocs: int) -> 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_axes_named_in_another_order_raise_naming_both(backend: str, nprocs: int) -> None:
     if nprocs == 2:  # a 1x2 mesh: both orders hold the ranks in one order, one group
-        seen = [r["axes_order"] for r in _results(backend, nprocs)]
-        assert all(kind == "ok" for kind, _ in seen), seen
-        assert len({text for _, text in seen}) == 1, seen
+        _one_result_everywhere("axes_order", backend, nprocs)
         return
     _raised_alike(
         "axes_order",
@@ -322,9 +327,7 @@ def test_axes_named_in_another_order_raise_naming_both(backend: str, nprocs: int
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_get_group_checks_the_order_of_a_tuple_too(backend: str, nprocs: int) -> None:
     if nprocs == 2:  # a 2x1 mesh: both orders are one group, which reduces
-        seen = [r["get_group_order"] for r in _results(backend, nprocs)]
-        assert all(kind == "ok" for kind, _ in seen), seen
-        assert len({text for _, text in seen}) == 1, seen
+        _one_result_everywhere("get_group_order", backend, nprocs)
         return
     _raised_alike(
         "get_group_order",
