@@ -6,7 +6,8 @@ Run under a launcher (two or more ranks)::
     MESHCOMM_TRANSPORT=tcp .venv/bin/meshrun --nproc-per-node 4 bench/mismatch_overhead.py
 
 Under mpi (``meshrun --backend mpi``) the default is the first-call check and the running
-hash of the calls (:mod:`meshcomm._mpi_history`): what differs per call is the direct path's
+hash of the calls (:mod:`meshcomm.diagnostics.mpi_history`): what differs per call is the direct
+path's
 look-up of the call's signature among the checked ones and the hash's update; every 128th
 call also finishes one 8-byte comparison of it and starts the next (no wait for the
 others). ``--history`` compares with and without the running hash and its comparisons (the
@@ -20,7 +21,8 @@ each in turn; ``--op rooted``: all five) on two groups: the world (on one host: 
 shared-memory board) and a group of the same ranks made with ``subgroup`` (shared-memory
 rings, or sockets with ``MESHCOMM_TRANSPORT=tcp``). For each group, loops of ``--iters``
 calls alternate between the default checks (every call stamped,
-:mod:`meshcomm._fingerprint`) and none (what ``MESHCOMM_DEBUG=OFF`` makes: the group has no
+:mod:`meshcomm.diagnostics.fingerprint`) and none (what ``MESHCOMM_DEBUG=OFF`` makes: the group has
+no
 stamp holder and the link sends the plain tag), ``--repeats`` times each, in alternating
 order, after a barrier; rank 0 prints each median and the ratio default / OFF. The
 environment must leave the checks at their default.

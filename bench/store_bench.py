@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshcomm._secret import SECRET_ENV, new_secret
+from meshcomm.common.secret import SECRET_ENV, new_secret
 from meshcomm.store import TCPStore
 
 HOST = "127.0.0.1"
@@ -155,7 +155,7 @@ def wire_round_trips(ops: int, repeats: int, mac: bool) -> dict[str, float]:
     Each request is framed by the client, parsed by the server, answered, and the answer
     parsed by the client: all the per-request protocol work of both sides, no sockets.
     """
-    from meshcomm._secret import session_key
+    from meshcomm.common.secret import session_key
     from meshcomm.store import wire
 
     client, server = wire.ClientConnection(), wire.ServerConnection()

@@ -140,6 +140,6 @@ def __dir__() -> list[str]:
 # torch already imported (and meshcomm not installed with its entry point, say on PYTHONPATH):
 # register the "meshcomm" process-group backend now, cheaply; torch's autoload does it otherwise.
 if "torch.distributed" in sys.modules:
-    from meshcomm._torch_autoload import register as _register_torch_backend
+    from meshcomm.common.torch_autoload import register as _register_torch_backend
 
     _register_torch_backend()

@@ -41,9 +41,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from meshcomm._secret import SECRET_ENV
-from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS
+from meshcomm.common.secret import SECRET_ENV
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, MeshCommError
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ def start_cluster(
         raise InvalidArgument(f"heartbeat_ms must be an int >= 10, got {heartbeat_ms!r}")
     seconds = to_seconds(timeout)
     ipp = _require_ipyparallel()
-    from meshcomm._launch_secret import launch_secret
+    from meshcomm.launcher.job_secret import launch_secret
     from meshcomm.store.server import StoreServer
 
     started = time.perf_counter()

@@ -15,10 +15,10 @@ store, named by ``MESHCOMM_MASTER_ADDR``/``MESHCOMM_MASTER_PORT`` with
 ``MESHCOMM_STORE_HOSTED=1``: on one node it binds 127.0.0.1 on a port the kernel picks (no
 race), on several nodes node 0 binds ``--master-port`` on every interface. ``MASTER_PORT`` is
 another free port that node 0's launcher keeps for torch's rank 0, which serves torch's own
-store there as it does without torchrun's agent (:mod:`meshcomm._run_torch_port`).
+store there as it does without torchrun's agent (:mod:`meshcomm.launcher.torch_port`).
 
 ``--backend mpi`` starts the ranks as one MPI job instead, through ``mpiexec`` (see
-:mod:`meshcomm._mpiexec`): same output labels, same stop-everything-on-failure, same exit
+:mod:`meshcomm.launcher.mpiexec`): same output labels, same stop-everything-on-failure, same exit
 status, and the same store served by the launcher (for the hang verdicts). ``--backend
 NAME`` otherwise sets ``MESHCOMM_BACKEND`` for ``meshcomm.init()``.
 
@@ -30,19 +30,21 @@ and exits 130. Ranks die with ``meshrun`` even if it is SIGKILLed (Linux).
 Every torchrun 2.13 flag is accepted (docs/launch.md has the table): ``--max-restarts N``
 restarts this node's ranks after a failure (each attempt in a fresh store, with
 ``TORCHELASTIC_RESTART_COUNT``); ``--log-dir``, ``-r/--redirects``, ``-t/--tee`` and
-``--local-ranks-filter`` route the ranks' output as torchrun does (:mod:`meshcomm._rank_logs`);
+``--local-ranks-filter`` route the ranks' output as torchrun does
+(:mod:`meshcomm.launcher.rank_logs`);
 ``--rdzv-backend static|c10d --rdzv-endpoint HOST:PORT`` names the store, c10d numbering the
-nodes as they join (:mod:`meshcomm._node_rdzv`). torchrun's flags are parsed in
-:mod:`meshcomm._run_options`.
+nodes as they join (:mod:`meshcomm.launcher.node_rendezvous`). torchrun's flags are parsed in
+:mod:`meshcomm.launcher.torchrun_options`.
 
 This module runs the attempts (``--max-restarts``) around the store this node hosts; the
-parts live apart: the command line in :mod:`meshcomm._run_args`, :class:`LaunchConfig` and each
-rank's environment in :mod:`meshcomm._run_config`, one attempt's supervision in
-:mod:`meshcomm._run_supervisor` (the ranks' output in :mod:`meshcomm._run_output`), and
-meshrun's signals in :mod:`meshcomm._run_signals`.
+parts live apart: the command line in :mod:`meshcomm.launcher.command_line`, :class:`LaunchConfig`
+and each
+rank's environment in :mod:`meshcomm.launcher.config`, one attempt's supervision in
+:mod:`meshcomm.launcher.supervisor` (the ranks' output in :mod:`meshcomm.launcher.output`), and
+meshrun's signals in :mod:`meshcomm.launcher.signals`.
 
 By default (``--start-method fork``) a Python program's ranks are forked from ``meshrun``
-after it imported numpy and meshcomm once (:mod:`meshcomm._forkrun`), which makes a short
+after it imported numpy and meshcomm once (:mod:`meshcomm.launcher.fork_start`), which makes a short
 job several times faster on a few cores; ``--start-method spawn`` (or
 ``MESHRUN_START_METHOD=spawn``) starts a fresh interpreter per rank.
 
@@ -64,24 +66,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from meshcomm._forkrun import preload, single_threaded
-from meshcomm._rank_logs import RunLogs
-from meshcomm._run_args import parse_args
-from meshcomm._run_config import (
+from meshcomm.errors import MeshCommError
+from meshcomm.launcher.command_line import parse_args
+from meshcomm.launcher.config import (
     START_METHOD_VARIABLE,
     START_METHODS,
     LaunchConfig,
     child_environment,
 )
-from meshcomm._run_signals import catch_stop_signals, report_signal
-from meshcomm._run_supervisor import Supervisor
-from meshcomm._run_torch_port import (
+from meshcomm.launcher.fork_start import preload, single_threaded
+from meshcomm.launcher.rank_logs import RunLogs
+from meshcomm.launcher.signals import catch_stop_signals, report_signal
+from meshcomm.launcher.supervisor import Supervisor
+from meshcomm.launcher.torch_port import (
     PortReservation,
     fetch_endpoint,
     node0_address,
     publish_endpoint,
 )
-from meshcomm.errors import MeshCommError
 
 if TYPE_CHECKING:
     from meshcomm.store.server import StoreServer
@@ -242,7 +244,7 @@ def _rendezvous(config: LaunchConfig) -> tuple[LaunchConfig, StoreServer | None,
         whether that store already serves (c10d's host serves so that the others can join).
     """
     if config.torchrun.rdzv_backend == "c10d" and config.nnodes > 1:
-        from meshcomm._node_rdzv import join_nodes
+        from meshcomm.launcher.node_rendezvous import join_nodes
 
         config, server = join_nodes(config)
         return config, server, True
@@ -293,10 +295,10 @@ def _launch_mpi(config: LaunchConfig) -> int:
 
     The store is the one a tcp job gets (``--master-addr``/``--master-port``, the job's
     secret); the ranks join it instead of one that their rank 0 would serve
-    (:mod:`meshcomm._mpi_store`), so a verdict still names rank 0 when rank 0 is stuck.
+    (:mod:`meshcomm.rendezvous.mpi_store`), so a verdict still names rank 0 when rank 0 is stuck.
     """
-    from meshcomm._mpi_store import wants_store
-    from meshcomm._mpiexec import launch_mpiexec
+    from meshcomm.launcher.mpiexec import launch_mpiexec
+    from meshcomm.rendezvous.mpi_store import wants_store
 
     if config.mpiexec is None:  # parse_args finds one; a hand-made LaunchConfig may not
         print("meshrun: backend 'mpi' needs an mpiexec (LaunchConfig.mpiexec)", file=sys.stderr)

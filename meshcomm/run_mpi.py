@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from meshcomm._line_prefix import LinePrefix
+from meshcomm.launcher.line_prefix import LinePrefix
 
 __all__ = ["PREFIX_ENV", "main", "parse_args"]
 

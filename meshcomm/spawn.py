@@ -10,7 +10,7 @@ from a signal), the others get SIGTERM, then SIGKILL after a grace period, and t
 raises :class:`ProcessRaisedException` (with the child's traceback text) or
 :class:`ProcessExitedException`. The processes die with the parent if it is killed (Linux).
 The parent notes each exit in the store, and before it stops the others which rank failed
-(:mod:`meshcomm._exit_notes`), so the survivors' errors name the first failure.
+(:mod:`meshcomm.launcher.exit_notes`), so the survivors' errors name the first failure.
 
 The module is callable as :func:`spawn` itself, so both spellings of torch's work:
 ``import meshcomm.spawn as mp; mp.spawn(fn, nprocs=2)`` (as ``torch.multiprocessing``, with
@@ -36,17 +36,8 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshcomm._exit_notes import ExitNotary, ExitNote
-from meshcomm._launch_secret import launch_secret
-from meshcomm._procs import (
-    DEFAULT_GRACE_PERIOD,
-    SHADOWING_VARIABLES,
-    describe_exit,
-    rank_environment,
-    set_parent_death_signal,
-)
-from meshcomm._secret import SECRET_ENV
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.secret import SECRET_ENV
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import (
     InvalidArgument,
     ProcessExitedException,
@@ -54,12 +45,21 @@ from meshcomm.errors import (
     SpawnError,
     SpawnTimeout,
 )
+from meshcomm.launcher.exit_notes import ExitNotary, ExitNote
+from meshcomm.launcher.job_secret import launch_secret
+from meshcomm.launcher.processes import (
+    DEFAULT_GRACE_PERIOD,
+    SHADOWING_VARIABLES,
+    describe_exit,
+    rank_environment,
+    set_parent_death_signal,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
 
-    from meshcomm._run_torch_port import PortReservation
+    from meshcomm.launcher.torch_port import PortReservation
     from meshcomm.store.server import StoreServer
 
 
@@ -373,7 +373,7 @@ def spawn(
     server = _host_store(secret)
     # torch's own init_process_group (env://) has rank 0 serve torch's store on MASTER_PORT:
     # a port kept free for it, apart from meshcomm's store (as meshrun does).
-    from meshcomm._run_torch_port import PortReservation
+    from meshcomm.launcher.torch_port import PortReservation
 
     torch_port = PortReservation()
     processes: list[BaseProcess] = []

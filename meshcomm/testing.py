@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from meshcomm._conformance import run_conformance
+from meshcomm.backends.conformance import run_conformance
 
 __all__ = ["run_conformance", "run_ranks"]
 

@@ -28,10 +28,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from meshcomm import _dynamo_skip
-from meshcomm._arrays import ResultPool, ScratchPool
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common import dynamo_skip as _dynamo_skip
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import CommError, CommTimeout
+from meshcomm.group.arrays import ResultPool, ScratchPool
 
 __all__ = ["ProgressEngine", "Work"]
 
@@ -60,7 +60,8 @@ class Work(Generic[T]):
 
     def __init__(self, label: str) -> None:
         self._label = label
-        # The group's hang verdict for the operation's own CommTimeout (meshcomm._verdict),
+        # The group's hang verdict for the operation's own CommTimeout
+        # (meshcomm.diagnostics.hang_verdict),
         # applied once, in the first wait() that sees it.
         self._judge: Callable[[CommTimeout], CommTimeout] | None = None
         self._judged: BaseException | None = None

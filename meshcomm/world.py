@@ -29,21 +29,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshcomm._backend_spec import canonical, gpu_per_local_rank, parse_backend
-from meshcomm._mpi_store import mpi_rendezvous
-from meshcomm._timeout import Timeout, to_seconds
 from meshcomm.backends import BACKENDS, create_world_communicator
 from meshcomm.backends.base import Communicator
+from meshcomm.backends.spec import canonical, gpu_per_local_rank, parse_backend
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import CommError, InvalidArgument, RendezvousError
 from meshcomm.launch import started_by_mpi
 from meshcomm.reduction import ReduceOp
 from meshcomm.rendezvous import Rendezvous, rendezvous
+from meshcomm.rendezvous.mpi_store import mpi_rendezvous
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from meshcomm._hang_warn import HangWarning
-    from meshcomm._responder import Responder
+    from meshcomm.diagnostics.hang_warning import HangWarning
+    from meshcomm.diagnostics.responder import Responder
     from meshcomm.group import ProcessGroup
     from meshcomm.store.base import Store
 
@@ -109,7 +109,7 @@ class World:
         """Join the world; see :func:`meshcomm.world.init`."""
         env = os.environ if env is None else env
         name = choose_backend(backend, init_method, store, env)
-        from meshcomm import _hang_warn
+        from meshcomm.diagnostics import hang_warning as _hang_warn
 
         hang_warn_after = _hang_warn.warn_after(env)  # a bad value fails before any I/O
         seconds = to_seconds(timeout)
@@ -124,7 +124,7 @@ class World:
             self._generation += 1
             if name == "mpi" and store is None and init_method in (None, "env://"):
                 # The world is MPI_COMM_WORLD: MPI itself brought the ranks together; rank 0
-                # serves a store beside it, for the hang verdicts (meshcomm._mpi_store).
+                # serves a store beside it, for the hang verdicts (meshcomm.rendezvous.mpi_store).
                 rdzv = mpi_rendezvous(world_size, rank, seconds, env, generation)
             else:
                 rdzv = rendezvous(
@@ -148,7 +148,8 @@ class World:
                 rdzv.close(wait=_FAILED_INIT_LINGER)
                 raise
             self._group, self._rendezvous = group, rdzv
-            from meshcomm import _report, _responder
+            from meshcomm.diagnostics import responder as _responder
+            from meshcomm.diagnostics import signal_report as _report
 
             _report.install(group)  # kill -USR1 <pid>: this rank's last collectives, stacks
             if rdzv.store is not None and group.size > 1:
@@ -181,7 +182,8 @@ class World:
                 group.close()
             finally:
                 rdzv.close()
-                from meshcomm import _report, trace
+                from meshcomm import trace
+                from meshcomm.diagnostics import signal_report as _report
 
                 trace.stop()
                 _report.uninstall()
@@ -405,10 +407,10 @@ def init(
             when ``mpiexec``/``mpirun``/``srun`` (with MPI) started the process and mpi4py is
             installed (see :func:`choose_backend`), else "tcp", paired with "nccl" for
             device arrays where cupy sees a GPU for every rank of this host
-            (:func:`meshcomm._backend_spec.gpu_per_local_rank`); a world of one on tcp runs
+            (:func:`meshcomm.backends.spec.gpu_per_local_rank`); a world of one on tcp runs
             on "self". The mpi backend's world is ``MPI_COMM_WORLD``; without
             ``init_method`` or ``store``, rank 0 serves its store (for hang verdicts) and
-            MPI carries the address and a fresh secret (:mod:`meshcomm._mpi_store`).
+            MPI carries the address and a fresh secret (:mod:`meshcomm.rendezvous.mpi_store`).
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
         world_size: number of processes (default: from the environment).
         rank: this process's rank (default: from the environment).

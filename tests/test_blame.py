@@ -7,7 +7,7 @@ each route (the CMA collectives, shared-memory rings, sockets); every survivor m
 exits with status 0 while the others still need it is reported as having exited normally,
 not as dead. The unit tests drive :class:`~meshcomm.backends.tcp.faults.Faults` over a
 :class:`~meshcomm.store.HashStore`: the grace for the first failure's record, and the
-launcher's notes (:mod:`meshcomm._exit_notes`).
+launcher's notes (:mod:`meshcomm.launcher.exit_notes`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshcomm._exit_notes import ExitNote, exit_key, read_note
 from meshcomm.backends.tcp.abort import AbortRecord
 from meshcomm.backends.tcp.faults import ABORT_KEY, BLAME_GRACE, LEFT_KEY, Faults
 from meshcomm.errors import CommError, SpawnError
+from meshcomm.launcher.exit_notes import ExitNote, exit_key, read_note
 from meshcomm.spawn import spawn
 from meshcomm.store import HashStore, PrefixStore
 from meshcomm.testing import run_ranks

@@ -104,8 +104,8 @@ def test_conformance(nprocs: int, transport: str | None) -> None:
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4, 8])
 def test_conformance_direct_path_at_every_size(nprocs: int) -> None:
-    """The CMA collectives (meshcomm.backends.tcp.cma_collectives) for every size from 1 byte,
-    so that every dtype, op, layout and group of the suite goes through them."""
+    """The CMA collectives (meshcomm.backends.tcp.same_host.cma_collectives) for every size
+    from 1 byte, so that every dtype, op, layout and group of the suite goes through them."""
     env = {"MESHCOMM_SHM_DIRECT_MIN": "1"}
     results = run_ranks(conformance, nprocs, env=env, timeout=TIMEOUT, args=(nprocs != 4,))
     failures = [line for per_rank in results for line in per_rank]

@@ -1,6 +1,6 @@
 """The device lowerings' layouts at every world size, run on numpy over a real tcp world.
 
-:mod:`meshcomm._device_lower` is what a group with a device backend (nccl) runs for cupy
+:mod:`meshcomm.group.device_lower` is what a group with a device backend (nccl) runs for cupy
 arrays. Its layout work (rank-major blocks, stacking and concatenating at any axis, tiled
 or not) is written with the array's own module, so here it runs with numpy over the tcp
 world's communicator, at worlds 1-4 and 8, and every result must equal the group's own
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshcomm import _device_lower
-from meshcomm._arrays import ScratchPool
-from meshcomm._lower import Call
+from meshcomm.group import device_lower as _device_lower
+from meshcomm.group.arrays import ScratchPool
+from meshcomm.group.lower import Call
 from meshcomm.testing import run_ranks
 
 

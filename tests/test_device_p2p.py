@@ -1,4 +1,4 @@
-"""Device point to point (:mod:`meshcomm._device_p2p`) at every world size, on numpy over a
+"""Device point to point (:mod:`meshcomm.group.device_p2p`) at every world size, on numpy over a
 real tcp world: the world's host communicator carries the headers and stands in for the
 device one (its default payload routes, over ``permute``), as tests/test_device_lower.py
 does for the collectives. NCCL refuses two ranks on one GPU, so this is where the protocol
@@ -13,12 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from meshcomm import _device_p2p
-from meshcomm._arrays import ScratchPool
-from meshcomm._lower import Call
 from meshcomm.backends.local import SelfCommunicator
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
 from meshcomm.group import ProcessGroup
+from meshcomm.group import device_p2p as _device_p2p
+from meshcomm.group.arrays import ScratchPool
+from meshcomm.group.lower import Call
 from meshcomm.testing import run_ranks
 
 ARRAYS: list[Any] = [

@@ -15,22 +15,22 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import meshcomm._arrays
-import meshcomm._call_checks
-import meshcomm._fingerprint
-import meshcomm._issuing
-import meshcomm._lower
-import meshcomm._subgroups
 import meshcomm.backends.base
 import meshcomm.backends.local
+import meshcomm.diagnostics.call_checks
+import meshcomm.diagnostics.fingerprint
 import meshcomm.group
+import meshcomm.group.arrays
+import meshcomm.group.issuing
+import meshcomm.group.lower
+import meshcomm.group.subgroups
 import meshcomm.testing
 import meshcomm.work
-from meshcomm._arrays import ResultPool, ScratchPool
-from meshcomm._fingerprint import describe, encode
 from meshcomm.backends.local import SelfCommunicator
+from meshcomm.diagnostics.fingerprint import describe, encode
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument
 from meshcomm.group import ProcessGroup, new_group
+from meshcomm.group.arrays import ResultPool, ScratchPool
 from meshcomm.reduction import ReduceOp
 from meshcomm.testing import run_conformance
 from meshcomm.work import ProgressEngine, Work
@@ -71,7 +71,7 @@ def test_constructor_matches_world_init_call() -> None:
 
 
 # -- all_reduce -------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", meshcomm._arrays.SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", meshcomm.group.arrays.SUPPORTED_DTYPES, ids=str)
 def test_all_reduce_every_valid_op_is_identity(g: ProcessGroup, dtype: np.dtype) -> None:
     x = (np.arange(6) % 3).astype(dtype).reshape(2, 3)
     for op in ReduceOp:
@@ -577,9 +577,9 @@ def test_a_failing_plan_poisons_the_group() -> None:
 
 def test_debug_mode_checks_every_planned_call(monkeypatch: pytest.MonkeyPatch) -> None:
     checked: list[str] = []
-    real = meshcomm._fingerprint.check
+    real = meshcomm.diagnostics.fingerprint.check
     monkeypatch.setattr(
-        meshcomm._fingerprint, "check", lambda *a: (checked.append(a[-1]), real(*a))
+        meshcomm.diagnostics.fingerprint, "check", lambda *a: (checked.append(a[-1]), real(*a))
     )
     comm = _CountingSelf(timeout=10)
     g = ProcessGroup(comm, name="world", debug=True)
@@ -740,12 +740,12 @@ def test_all_gather_axis0_result_is_the_receive_buffer(g: ProcessGroup) -> None:
     [
         meshcomm.group,
         meshcomm.work,
-        meshcomm._arrays,
-        meshcomm._lower,
-        meshcomm._fingerprint,
-        meshcomm._call_checks,
-        meshcomm._issuing,
-        meshcomm._subgroups,
+        meshcomm.group.arrays,
+        meshcomm.group.lower,
+        meshcomm.diagnostics.fingerprint,
+        meshcomm.diagnostics.call_checks,
+        meshcomm.group.issuing,
+        meshcomm.group.subgroups,
         meshcomm.backends.base,
         meshcomm.backends.local,
     ],

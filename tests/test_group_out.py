@@ -11,10 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.backends.local import SelfCommunicator
 from meshcomm.errors import InvalidArgument
 from meshcomm.group import ProcessGroup
+from meshcomm.group.arrays import SUPPORTED_DTYPES
 from meshcomm.testing import run_ranks
 
 # (op, factor): every reduce op the numpy oracle below knows, premul_sum with its scalar.

@@ -216,7 +216,7 @@ def test_group_transports_use_the_job_secret() -> None:
 
 def rings_within_budget(world: ProcessGroup) -> dict[str, Any]:
     """The world's rings fit the budget, a group's do not (socket), and come back on close."""
-    from meshcomm.backends.tcp import shm_budget
+    from meshcomm.backends.tcp.same_host import ring_budget as shm_budget
 
     x = np.arange(4.0)
     world.all_reduce(x)  # the world's rings: one per peer

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from meshcomm._launch_secret import read_secret_file
-from meshcomm._secret import SECRET_ENV
+from meshcomm.common.secret import SECRET_ENV
 from meshcomm.errors import InvalidArgument
+from meshcomm.launcher.job_secret import read_secret_file
 from meshcomm.spawn import spawn
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "launch_secret.py")
@@ -191,7 +191,7 @@ print("secret", hashlib.sha256(secret.encode()).hexdigest(), "set", bool(secret)
 
 
 def test_meshrun_backend_mpi_gives_its_ranks_a_secret(tmp_path: Path) -> None:
-    from meshcomm._mpiexec import find_mpiexec
+    from meshcomm.launcher.mpiexec import find_mpiexec
 
     pytest.importorskip("mpi4py")
     if find_mpiexec() is None:

@@ -146,7 +146,7 @@ def test_visualize_cuts_long_group_lists(capsys: pytest.CaptureFixture[str]) -> 
 def test_html_highlights_this_rank() -> None:
     html = DeviceMesh(np.arange(8).reshape(2, 4), ("dp", "tp"))._repr_html_()
     assert html.count("<td") == 8 and "font-weight:bold" not in html  # no world: no rank
-    from meshcomm._mesh_view import render_html
+    from meshcomm.mesh.drawing import render_html
 
     html = render_html(DeviceMesh(np.arange(8).reshape(2, 4), ("dp", "tp")), 6)
     assert "font-weight:bold" in html and "dp=1" in html

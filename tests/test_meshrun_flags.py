@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from meshcomm._rank_logs import Route
-from meshcomm._run_args import build_parser
-from meshcomm._torchrun_flags import FlagError, parse_endpoint, parse_std_map
+from meshcomm.launcher.command_line import build_parser
+from meshcomm.launcher.rank_logs import Route
+from meshcomm.launcher.torchrun_flags import FlagError, parse_endpoint, parse_std_map
 from meshcomm.run import child_environment, parse_args
 
 ROOT = Path(__file__).parent.parent

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshcomm._run_torch_port import (
+from meshcomm.launcher.torch_port import (
     PortReservation,
     TorchEndpointError,
     endpoint_key,

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshcomm import _fingerprint, _lower
+from meshcomm.diagnostics import fingerprint as _fingerprint
 from meshcomm.errors import CommError, MismatchError
 from meshcomm.group import ProcessGroup
+from meshcomm.group import lower as _lower
 from meshcomm.reduction import ReduceOp
 from meshcomm.testing import run_ranks
 

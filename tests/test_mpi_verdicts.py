@@ -1,7 +1,8 @@
 """Hang verdicts and the early hang warning in mpi worlds (issue 33 items 2 and 6), and the
 warning on tcp, at worlds 2 and 4.
 
-MPI worlds get a store (``meshcomm._mpi_store``: meshrun's under ``meshrun --backend mpi``,
+MPI worlds get a store (``meshcomm.rendezvous.mpi_store``: meshrun's under ``meshrun --backend
+mpi``,
 else one rank 0 serves), so a timeout names the rank that is behind and where, under a bare
 ``mpiexec`` and under meshrun, rank 0 included (even stuck where Python cannot run); ranks
 in the same call with different arguments raise ``MismatchError`` naming both calls when the

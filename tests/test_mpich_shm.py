@@ -1,4 +1,4 @@
-"""meshrun's clean-up of MPICH's ``/dev/shm`` files (:mod:`meshcomm._mpich_shm`) is safe.
+"""meshrun's clean-up of MPICH's ``/dev/shm`` files (:mod:`meshcomm.launcher.mpich_shm`) is safe.
 
 Real processes map and open real files in ``/dev/shm``: a file is removed only when the
 watched job's processes were seen mapping it and no live process maps it or holds it open.
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcomm._mpich_shm import SHM_DIR, ShmWatch, mapped_by
+from meshcomm.launcher.mpich_shm import SHM_DIR, ShmWatch, mapped_by
 
 pytestmark = pytest.mark.skipif(
     not (sys.platform.startswith("linux") and os.path.isdir(SHM_DIR)), reason="Linux /dev/shm"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_nccl import GPU_SKIP
 
-from meshcomm._backend_spec import canonical, parse_backend
+from meshcomm.backends.spec import canonical, parse_backend
 from meshcomm.errors import InvalidArgument
 from meshcomm.testing import run_ranks
 
@@ -80,7 +80,7 @@ def test_compat_nccl_without_a_gpu_stages_cuda_tensors_over_tcp() -> None:
 def test_the_default_pairs_nccl_only_with_a_gpu_per_local_rank(
     world: int, local: int | None, gpus: int | None, paired: bool
 ) -> None:
-    from meshcomm._backend_spec import gpu_per_local_rank
+    from meshcomm.backends.spec import gpu_per_local_rank
 
     def count() -> int:
         if gpus is None:
@@ -92,7 +92,7 @@ def test_the_default_pairs_nccl_only_with_a_gpu_per_local_rank(
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
 def test_the_default_counts_no_gpu_without_cupy() -> None:
-    from meshcomm._backend_spec import _cupy_gpu_count
+    from meshcomm.backends.spec import _cupy_gpu_count
 
     assert _cupy_gpu_count() == 0  # the pair is never the default then, and init works
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshcomm._secret import SECRET_ENV, new_secret
+from meshcomm.common.secret import SECRET_ENV, new_secret
 from meshcomm.errors import StoreAuthError
 from meshcomm.store import StoreServer, TCPStore, wire
 

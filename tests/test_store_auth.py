@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 from polling import wait_until
 
-from meshcomm._secret import NONCE_BYTES, SECRET_ENV, new_nonce, proof
+from meshcomm.common.secret import NONCE_BYTES, SECRET_ENV, new_nonce, proof
 from meshcomm.errors import StoreAuthError, StoreError
 from meshcomm.store import StoreServer, TCPStore, wire
 

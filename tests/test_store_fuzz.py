@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcomm._secret import (
+from meshcomm.common.secret import (
     NONCE_BYTES,
     SECRET_ENV,
     new_nonce,

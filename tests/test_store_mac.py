@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshcomm._secret import new_secret, session_key
+from meshcomm.common.secret import new_secret, session_key
 from meshcomm.errors import ProtocolError, StoreAuthError, StoreError
 from meshcomm.store import StoreServer, TCPStore, wire
 

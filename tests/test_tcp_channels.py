@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from spawned import run_spawned
 
-from meshcomm.backends.tcp import TcpCommunicator, cma, shm, waiting
+from meshcomm.backends.tcp import TcpCommunicator, waiting
+from meshcomm.backends.tcp.same_host import cma
+from meshcomm.backends.tcp.same_host import rings as shm
 from meshcomm.backends.tcp.transport import Transport, channel_kind
 from meshcomm.errors import InvalidArgument
 from meshcomm.reduction import ReduceOp

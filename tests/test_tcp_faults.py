@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshcomm.backends.tcp import TcpCommunicator, shm
+from meshcomm.backends.tcp import TcpCommunicator
+from meshcomm.backends.tcp.same_host import rings as shm
 from meshcomm.errors import CommError
 from meshcomm.reduction import ReduceOp
 from meshcomm.store import StoreServer, TCPStore

@@ -30,8 +30,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshcomm.backends.tcp import shm
-from meshcomm.backends.tcp.shm import Doorbell, ShmHandshake, ShmPair
+from meshcomm.backends.tcp.same_host import rings as shm
+from meshcomm.backends.tcp.same_host.rings import Doorbell, ShmHandshake, ShmPair
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument, PeerError, ProtocolError
 
 pytestmark = pytest.mark.skipif(not shm.shm_supported(), reason="no shared-memory fast path here")

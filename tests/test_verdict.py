@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import meshcomm
-from meshcomm import _heads, _responder
 from meshcomm.backends.local import SelfCommunicator
+from meshcomm.diagnostics import position as _heads
+from meshcomm.diagnostics import responder as _responder
 from meshcomm.errors import CommTimeout
 from meshcomm.group import ProcessGroup
 from meshcomm.store import HashStore

@@ -73,7 +73,7 @@ class Communicator(ABC):
     # -- mismatch checks -----------------------------------------------------------------
     def stamp_holder(self) -> object | None:
         """An object whose ``stamp`` attribute the group layer sets before each collective
-        (mismatch checks, :mod:`meshcomm._fingerprint`): the backend carries it in the
+        (mismatch checks, :mod:`meshcomm.diagnostics.fingerprint`): the backend carries it in the
         frames it sends and raises :class:`~meshcomm.errors.MismatchError` (with ``peer``
         and ``theirs``) when a peer's differs. None (the default): no stamps; the group
         layer checks the first call of each signature instead."""
@@ -93,7 +93,8 @@ class Communicator(ABC):
 
     def check_all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """``all_gather`` of host arrays for the group layer's first-call mismatch checks
-        (:func:`~meshcomm._fingerprint.check_first`). Default: :meth:`all_gather`; a backend
+        (:func:`~meshcomm.diagnostics.fingerprint.check_first`). Default: :meth:`all_gather`; a
+        backend
         that can keep the checks off its collectives' channel (mpi: the point-to-point
         duplicate) overrides it, so a rank alone in a check never matches the others'
         collective."""
@@ -241,7 +242,7 @@ class Communicator(ABC):
     def send_payload(self, array: np.ndarray, dst: int, after: Any = None) -> None:
         """Send the bytes of C-contiguous ``array`` to ``dst`` (not this rank) with nothing
         around them: the receiver learned shape and dtype from a header sent its own way
-        (:mod:`meshcomm._device_p2p`). Payloads between two ranks match in the order sent.
+        (:mod:`meshcomm.group.device_p2p`). Payloads between two ranks match in the order sent.
         ``after``: a :meth:`ready_token`. Default: :meth:`permute` with only a send."""
         self.permute(array, dst, array, None)
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshcomm._timeout import default_timeout
 from meshcomm.backends.base import Communicator
+from meshcomm.common.timeout import default_timeout
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument, ProtocolError
 from meshcomm.reduction import ReduceOp
 

@@ -29,7 +29,7 @@ from typing import TypeVar, cast
 
 import numpy as np
 
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument, PeerError, ProtocolError
 
 __all__ = ["MemLink", "make_memlinks", "run_threads"]

@@ -30,7 +30,7 @@ import importlib
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from meshcomm._timeout import default_timeout
+from meshcomm.common.timeout import default_timeout
 from meshcomm.distributed._alltoall import all_to_all, all_to_all_single
 from meshcomm.distributed._backend import (
     Backend,

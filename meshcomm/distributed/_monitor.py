@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from meshcomm._timeout import to_seconds
+from meshcomm.common.timeout import to_seconds
 from meshcomm.distributed._errors import DistBackendError, public
 from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
 from meshcomm.errors import StoreTimeout

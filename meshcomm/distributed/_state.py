@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshcomm import world
-from meshcomm._backend_spec import matches
+from meshcomm.backends.spec import matches
 from meshcomm.distributed._backend import meshcomm_backend
 from meshcomm.distributed._errors import public
 from meshcomm.distributed._pg import ProcessGroup

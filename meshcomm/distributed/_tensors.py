@@ -31,7 +31,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from meshcomm._arrays import SUPPORTED_DTYPES, plain_array
+from meshcomm.group.arrays import SUPPORTED_DTYPES, plain_array
 
 __all__ = [
     "Buffer",

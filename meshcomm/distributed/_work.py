@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from meshcomm._timeout import to_seconds
+from meshcomm.common.timeout import to_seconds
 from meshcomm.distributed._errors import DistBackendError, translate
 from meshcomm.errors import CommTimeout
 from meshcomm.work import Work as MeshWork

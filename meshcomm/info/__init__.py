@@ -64,8 +64,8 @@ def _has(module: str) -> bool:
 
 
 def _launcher() -> dict[str, Any]:
-    from meshcomm._procs import LAUNCHER_ENV
     from meshcomm.launch import detect_launch
+    from meshcomm.launcher.processes import LAUNCHER_ENV
 
     try:
         launch = detect_launch(os.environ)

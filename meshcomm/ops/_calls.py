@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from meshcomm import _lower, _plans, _staging
-from meshcomm._arrays import dtype_name
+from meshcomm.group import lower as _lower
+from meshcomm.group import plans as _plans
+from meshcomm.group import staging as _staging
+from meshcomm.group.arrays import dtype_name
 
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup

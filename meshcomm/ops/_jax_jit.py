@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshcomm._arrays import check_dtype
 from meshcomm.errors import InvalidArgument
+from meshcomm.group.arrays import check_dtype
 from meshcomm.ops import _resolve
 from meshcomm.ops._checks import axis_arg, block_shape
 from meshcomm.ops.pytree import tree_flatten, tree_unflatten

@@ -21,9 +21,9 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshcomm._mesh_order import agree_order
 from meshcomm.errors import InvalidArgument
 from meshcomm.mesh import DeviceMesh, current_mesh
+from meshcomm.mesh.axis_order import agree_order
 from meshcomm.ops._calls import Note, NotedGroup
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from meshcomm._after_import import after_import
+from meshcomm.common.after_import import after_import
 from meshcomm.errors import InvalidArgument
 from meshcomm.ops._resolve import resolve
 from meshcomm.ops._torch_names import group_name

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshcomm._arrays import SUPPORTED_DTYPES, rank_blocks_fit
 from meshcomm.errors import InvalidArgument
+from meshcomm.group.arrays import SUPPORTED_DTYPES, rank_blocks_fit
 from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._calls import Collectives

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from meshcomm._arrays import as_array, check_dtype
+from meshcomm.group.arrays import as_array, check_dtype
 from meshcomm.ops._calls import Collectives, NotedGroup, tree_words
 from meshcomm.ops._native import Rewrap, unwrap
 from meshcomm.work import Work

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.errors import InvalidArgument
+from meshcomm.group.arrays import SUPPORTED_DTYPES
 from meshcomm.ops import _calls, _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._calls import Collectives

@@ -5,7 +5,7 @@ bytes in, a :class:`HelloReply` (then an :class:`AuthResult`, with a secret) and
 
 from __future__ import annotations
 
-from meshcomm._secret import NONCE_BYTES, PROOF_BYTES
+from meshcomm.common.secret import NONCE_BYTES, PROOF_BYTES
 from meshcomm.errors import ProtocolError
 from meshcomm.store._frames import (
     FLAG_AUTH,
@@ -82,7 +82,7 @@ class ClientConnection:
 
         Args:
             proof: this client's proof.
-            key: the session key (``meshcomm._secret.session_key``) after a
+            key: the session key (``meshcomm.common.secret.session_key``) after a
                 ``HELLO_CHALLENGE_MAC``: the frames after the verdict then carry MACs.
         """
         if len(proof) != PROOF_BYTES:

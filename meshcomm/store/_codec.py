@@ -16,7 +16,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshcomm._secret import NONCE_BYTES, PROOF_BYTES
+from meshcomm.common.secret import NONCE_BYTES, PROOF_BYTES
 from meshcomm.errors import ProtocolError
 from meshcomm.store._frames import (
     FOREVER,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshcomm._secret import NONCE_BYTES, PROOF_BYTES
+from meshcomm.common.secret import NONCE_BYTES, PROOF_BYTES
 from meshcomm.errors import ProtocolError
 from meshcomm.store._codec import REQUEST_PARSERS
 from meshcomm.store._frames import (
@@ -121,7 +121,7 @@ class ServerConnection:
         Until it is in, no request is parsed and at most a proof's bytes are buffered.
 
         Args:
-            key: the session key (``meshcomm._secret.session_key``); every frame after the
+            key: the session key (``meshcomm.common.secret.session_key``); every frame after the
                 proof, both ways, then carries a MAC under it. The caller must still check
                 the proof and drop the connection if it is wrong.
         """

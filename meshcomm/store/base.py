@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument
 
 __all__ = [

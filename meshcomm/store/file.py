@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, StoreError, StoreTimeout
 from meshcomm.store.base import (
     MAX_KEY_BYTES,
@@ -62,7 +62,7 @@ class FileStore(Store):
         world_size: the number of stores (ranks) that will use the file; once that many
             have closed and none is open, the last one deletes the file. None keeps it.
         timeout: seconds (or ``timedelta``) that ``get``/``wait`` block; default
-            :func:`~meshcomm._timeout.default_timeout`.
+            :func:`~meshcomm.common.timeout.default_timeout`.
 
     Raises:
         StoreError: the file cannot be opened, or is not a FileStore log.

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, StoreError, StoreTimeout
 from meshcomm.store.base import (
     Store,
@@ -132,7 +132,7 @@ class HashStore(Store):
 
     Args:
         timeout: seconds (or ``timedelta``) that ``get``/``wait`` block; default
-            :func:`~meshcomm._timeout.default_timeout`.
+            :func:`~meshcomm.common.timeout.default_timeout`.
 
     Example:
         >>> store = HashStore(timeout=5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshcomm._timeout import Timeout
+from meshcomm.common.timeout import Timeout
 from meshcomm.errors import InvalidArgument
 from meshcomm.store.base import Store, Value, encode_key, encode_keys
 

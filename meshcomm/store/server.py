@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 
-from meshcomm._secret import job_secret, matches, new_nonce, proof, session_key
+from meshcomm.common.secret import job_secret, matches, new_nonce, proof, session_key
 from meshcomm.errors import InvalidArgument, ProtocolError, StoreError
 from meshcomm.store import wire
 from meshcomm.store._address import (

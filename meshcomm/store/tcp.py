@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from meshcomm._secret import SECRET_ENV, job_secret, matches, new_nonce, proof, session_key
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.secret import SECRET_ENV, job_secret, matches, new_nonce, proof, session_key
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import (
     InvalidArgument,
     ProtocolError,
@@ -65,7 +65,7 @@ class TCPStore(Store):
         world_size: the number of clients (ranks) of the job, the master's own included.
         is_master: run the server in this process.
         timeout: seconds (or ``timedelta``) for connecting, for ``get``/``wait``, and for the
-            master's wait for workers; default :func:`~meshcomm._timeout.default_timeout`.
+            master's wait for workers; default :func:`~meshcomm.common.timeout.default_timeout`.
         wait_for_workers: on the master with ``world_size`` set, block in the constructor
             until ``world_size`` clients have connected.
         memory_limit: on the master, the server's memory budget (see :class:`StoreServer`);

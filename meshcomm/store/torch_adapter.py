@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from meshcomm._timeout import Timeout, to_seconds
+from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import InvalidArgument, StoreError, StoreTimeout
 from meshcomm.store.base import (
     Store,

@@ -15,7 +15,7 @@ Statuses: 0 ok (no authentication), 1 bad version, 2 challenge (the server has a
 3 authentication required (the server has a secret, the client offered none), 4 the client's
 proof was wrong, 5 challenge with frame MACs after it, 6 frame MACs required (the client
 asked to authenticate without bit 2: a meshcomm older than frame MACs). Proofs are
-``meshcomm._secret.proof(secret, role, b"store", client nonce, server nonce)`` with role
+``meshcomm.common.secret.proof(secret, role, b"store", client nonce, server nonce)`` with role
 ``b"server"`` / ``b"client"``: each side proves it knows the job's secret over both fresh
 nonces, the secret never crosses the wire, and a recorded handshake is worthless on a new
 connection (the other side's nonce differs). A client with a secret refuses a status-0
@@ -39,7 +39,7 @@ verdict every frame, in both directions, is followed by a :data:`TAG_BYTES`-byte
 
     HMAC-SHA256(session key, direction | u64 frame counter | frame)[:16]
 
-with the session key ``meshcomm._secret.session_key(secret, b"store", client nonce, server
+with the session key ``meshcomm.common.secret.session_key(secret, b"store", client nonce, server
 nonce)``, direction ``0x01`` client-to-server and ``0x02`` server-to-client, and each
 direction's counter starting at 0 and counting that direction's frames. The receiver checks
 the tag before it parses the body, so a changed, replayed, reordered, dropped or reflected

@@ -49,7 +49,6 @@ from typing import Any
 
 import numpy as np
 
-from meshcomm._arrays import SUPPORTED_DTYPES
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.mpi import _device
 from meshcomm.backends.mpi._lib import comm_error, cuda_support, load, require_thread_level
@@ -57,6 +56,7 @@ from meshcomm.backends.mpi._request import MpiRequest, Patience, default_patienc
 from meshcomm.backends.mpi._types import Reduction, reduction
 from meshcomm.backends.mpi.runners import MpiRunners, copy_while_sending
 from meshcomm.errors import CommError, CommTimeout, InvalidArgument, ProtocolError, RendezvousError
+from meshcomm.group.arrays import SUPPORTED_DTYPES
 from meshcomm.reduction import ReduceOp
 
 __all__ = ["MpiCommunicator"]

@@ -1,6 +1,6 @@
 """The MPI communicator's runners: one function per (collective, dtype, op or root), built once.
 
-The group layer's plans (:mod:`meshcomm._lower`) ask a communicator for a runner through the
+The group layer's plans (:mod:`meshcomm.group.lower`) ask a communicator for a runner through the
 :meth:`~meshcomm.backends.base.Communicator.runner` hook and call it for every synchronous call
 of that signature: the MPI datatype and op are looked up once, when the runner is built, and a
 call is one nonblocking MPI call from the caller's arrays, polled to completion within the

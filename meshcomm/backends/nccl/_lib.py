@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from meshcomm._arrays import dtype_name
+from meshcomm.group.arrays import dtype_name
 from meshcomm.reduction import ReduceOp
 
 __all__ = [

@@ -92,7 +92,7 @@ def _nbytes(x: Any) -> int:
 
 
 def _dtype_index(dtype: np.dtype) -> int:
-    from meshcomm._arrays import dtype_name
+    from meshcomm.group.arrays import dtype_name
 
     name = dtype_name(dtype)
     if name not in _MESSAGE_DTYPES:

@@ -4,7 +4,8 @@
 - :mod:`~meshcomm.backends.tcp.transport`: channels to every peer and the progress engine,
   over the parts it holds (matching, the socket and ring carriers, the board, peer memory,
   faults, and the one wait loop of :mod:`~meshcomm.backends.tcp.waiting`).
-- :mod:`~meshcomm.backends.tcp.shm`: shared-memory rings and futex doorbells for same-host peers.
+- :mod:`~meshcomm.backends.tcp.same_host.rings`: shared-memory rings and futex doorbells for
+same-host peers.
 - :mod:`~meshcomm.backends.tcp.communicator`: :class:`TcpCommunicator`.
 
 See ``docs/backends/tcp.md``.

@@ -11,7 +11,8 @@ groups work again, as after a mismatch seen in the call).
 One :class:`WorldAlarm` per process and world, shared by the world's transport and the
 transports of its sub-groups. The rank that publishes a mismatch first :meth:`announces
 <WorldAlarm.announce>` it to every other rank through the job's store: one request to each
-rank's responder (:mod:`meshcomm._responder`), the daemon thread that answers hang verdicts,
+rank's responder (:mod:`meshcomm.diagnostics.responder`), the daemon thread that answers hang
+verdicts,
 which :meth:`sounds <WorldAlarm.sound>` the alarm of its world. The next call of that rank
 raises the mismatch in its first line (one attribute read while all is well), and a call
 already waiting raises it within its next abort check (about a second).
@@ -113,7 +114,9 @@ class WorldAlarm:
         self.raised(group)
         if self._store is None or self._size < 2:
             return
-        from meshcomm import _responder  # the responder's request keys; imported on failure only
+        from meshcomm.diagnostics import (
+            responder as _responder,  # the responder's request keys; imported on failure only
+        )
 
         group = group[:_MAX_GROUP]
         words = reason[:MAX_REASON]

@@ -33,10 +33,10 @@ from meshcomm.backends.algorithms import hierarchical
 from meshcomm.backends.algorithms.hierarchical import Layout
 from meshcomm.backends.base import Communicator
 from meshcomm.backends.tcp import wire
-from meshcomm.backends.tcp.board import board_max
-from meshcomm.backends.tcp.cma_collectives import CmaCollectives, flat_vector, op_allowed
 from meshcomm.backends.tcp.hosts import HostView
 from meshcomm.backends.tcp.link import TcpLink
+from meshcomm.backends.tcp.same_host.board import board_max
+from meshcomm.backends.tcp.same_host.cma_collectives import CmaCollectives, flat_vector, op_allowed
 from meshcomm.backends.tcp.transport import ANY_SOURCE, Transport
 from meshcomm.errors import CommError, InvalidArgument, ProtocolError
 from meshcomm.reduction import ReduceOp
@@ -109,7 +109,8 @@ class TcpCommunicator(Communicator):
         self._group_rank = {g: r for r, g in enumerate(self.global_ranks)}
         self._subs: dict[tuple[int, ...], int] = {}
         self._closed = False
-        # The board (meshcomm.backends.tcp.board) serves the world only; None: not agreed yet.
+        # The board (meshcomm.backends.tcp.same_host.board) serves the world only; None: not agreed
+        # yet.
         self._board_max = board_max() if comm_id == WORLD_ID and self.size > 1 else 0
         self._board: bool | None = None if self._board_max else False
         transport.labels[comm_id] = self.label
@@ -207,7 +208,7 @@ class TcpCommunicator(Communicator):
     # Large collectives of a group that spans hosts run hierarchically (shared memory inside
     # each host, sockets across: meshcomm.backends.tcp.hosts); large collectives between
     # ranks that can all read each other's memory take the CMA collectives
-    # (meshcomm.backends.tcp.cma_collectives); the rest run the algorithms over the link.
+    # (meshcomm.backends.tcp.same_host.cma_collectives); the rest run the algorithms over the link.
     def _layout(
         self, send: object, recv: object, nbytes: int, op: ReduceOp | None
     ) -> Layout | None:

@@ -1,7 +1,8 @@
 """Connection set-up of the tcp transport: sockets, handshakes, and the shared-memory offer.
 
 :class:`Connections` is the socket carrier a :class:`~meshcomm.backends.tcp.transport.Transport`
-holds beside its ring carrier (:class:`~meshcomm.backends.tcp.shm_engine.ShmEngine`): it opens,
+holds beside its ring carrier (:class:`~meshcomm.backends.tcp.same_host.engine.ShmEngine`): it
+opens,
 accepts, writes, reads and drops the sockets. Connections open on first use: the sender of the
 first message to a peer looks up its address in the store, connects, and says HELLO; the
 peer answers ACCEPT or REJECT. When two ranks connect to each other at once, the connection
@@ -19,7 +20,8 @@ during a frame, or on a reset, it is a :class:`~meshcomm.errors.PeerError` namin
 
 Shared memory is agreed in the handshake: a HELLO with ``F_SHM`` carries the sender's host
 key; the acceptor answers ACCEPT with ``F_SHM`` when the keys match and it wants shared
-memory too. Then both sides run :class:`~meshcomm.backends.tcp.shm.ShmHandshake` over SHM
+memory too. Then both sides run :class:`~meshcomm.backends.tcp.same_host.rings.ShmHandshake` over
+SHM
 frames before any data moves (data for the peer waits in its send queue meanwhile)::
 
     each side sends   SHM_OFFER (or SHM_NO_OFFER: it could not create its ring)
@@ -54,8 +56,8 @@ from meshcomm.backends.tcp.link_auth import (
 )
 from meshcomm.backends.tcp.listener import LinkListener
 from meshcomm.backends.tcp.matching import CONTROL, PLAIN, Matching, Recv, Send
-from meshcomm.backends.tcp.shm import ShmHandshake, ShmPair
-from meshcomm.backends.tcp.shm_engine import ShmEngine
+from meshcomm.backends.tcp.same_host.engine import ShmEngine
+from meshcomm.backends.tcp.same_host.rings import ShmHandshake, ShmPair
 from meshcomm.backends.tcp.waiting import ABORT_CHECK_INTERVAL, CONNECT_ATTEMPT, Progress
 from meshcomm.errors import (
     CommError,

@@ -10,7 +10,8 @@ and the store keys every rank of the transport reads when something goes wrong:
 * a note per rank (:data:`LEFT_KEY`): why that rank gave up (its first error), written before
   it can close its channels, so a peer that sees it leave names the first failure instead of
   calling it dead (:meth:`Faults.blame`);
-* the launcher's note on each rank's exit (:mod:`meshcomm._exit_notes`, under ``meshrun`` and
+* the launcher's note on each rank's exit (:mod:`meshcomm.launcher.exit_notes`, under ``meshrun``
+and
   :func:`meshcomm.spawn`): its exit status, or that the launcher stopped it after another
   rank failed.
 
@@ -32,7 +33,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from meshcomm._exit_notes import ExitNote, launcher_rank, read_note
 from meshcomm.backends.tcp.abort import AbortRecord
 from meshcomm.errors import (
     CommError,
@@ -42,6 +42,7 @@ from meshcomm.errors import (
     ProtocolError,
     StoreError,
 )
+from meshcomm.launcher.exit_notes import ExitNote, launcher_rank, read_note
 from meshcomm.store.base import Store
 
 __all__ = [

@@ -5,7 +5,7 @@ hierarchically (:mod:`meshcomm.backends.algorithms.hierarchical`) at or above
 :func:`hier_min` bytes. Every member must make the same choice for the same call, so the
 choice depends only on the size and on a layout that every member computes from the same
 data: the first call that could use it sends every member an 8-byte digest of this
-process's host key (:func:`~meshcomm.backends.tcp.shm.host_key`: boot id, ``/dev/shm``
+process's host key (:func:`~meshcomm.backends.tcp.same_host.rings.host_key`: boot id, ``/dev/shm``
 device and pid namespace, plus ``MESHCOMM_HOST_KEY``), one round, and every rank groups
 the digests alike.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from meshcomm.backends.algorithms.hierarchical import Layout, host_layout, worth_it
-from meshcomm.backends.tcp.shm import host_key
+from meshcomm.backends.tcp.same_host.rings import host_key
 from meshcomm.backends.tcp.thresholds import size_threshold
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ class TcpLink:
         rank: this process's communicator rank.
 
     Attributes:
-        stamp: the stamp of the call in progress (:mod:`meshcomm._fingerprint`; the group
+        stamp: the stamp of the call in progress (:mod:`meshcomm.diagnostics.fingerprint`; the group
             layer sets it before each collective when mismatch checks are on), or None: its
             frames carry ``-2 - stamp`` as their tag and every receive compares it.
     """

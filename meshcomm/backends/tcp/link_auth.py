@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import struct
 
-from meshcomm._secret import matches, new_nonce, proof
+from meshcomm.common.secret import matches, new_nonce, proof
 
 __all__ = [
     "AUTH_REASON",

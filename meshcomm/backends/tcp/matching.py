@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: Tag of Link traffic (negative tags are internal; users get 0 and up). A link frame of a
-#: stamped call (mismatch checks, :mod:`meshcomm._fingerprint`) carries ``-2 - stamp``
+#: stamped call (mismatch checks, :mod:`meshcomm.diagnostics.fingerprint`) carries ``-2 - stamp``
 #: instead; frames are matched as LINK_TAG and the tag compared once matched.
 LINK_TAG = -1
 # Stamps carry the call's sequence number in their low bits (_fingerprint.SEQ_BITS).

@@ -8,7 +8,7 @@ operations are complete. Frames nobody waits for yet are kept and matched later,
 first out per (communicator, source, tag) (:mod:`~meshcomm.backends.tcp.matching`).
 
 Channels, chosen per peer (:func:`channel_kind`): peers on the same host exchange frames
-through shared-memory rings (:mod:`~meshcomm.backends.tcp.shm`), large payloads as an
+through shared-memory rings (:mod:`~meshcomm.backends.tcp.same_host.rings`), large payloads as an
 address the receiver copies from with ``process_vm_readv`` (RTS, answered by FIN); other
 peers through their socket. ``MESHCOMM_TRANSPORT=tcp`` forces sockets everywhere. The socket
 stays open beside a shared-memory pair for set-up, GOODBYE and death detection (EOF).
@@ -23,9 +23,9 @@ GIL or for a core).
 The transport is made of parts it holds, each in a module of its own: the matching of
 frames to receives (:mod:`~meshcomm.backends.tcp.matching`), the two carriers, sockets
 (:mod:`~meshcomm.backends.tcp.connections`, which also sets connections up) and
-shared-memory rings (:mod:`~meshcomm.backends.tcp.shm_engine`), the board
-(:mod:`~meshcomm.backends.tcp.board`), copies of peers' memory
-(:mod:`~meshcomm.backends.tcp.peer_memory`), the failure path
+shared-memory rings (:mod:`~meshcomm.backends.tcp.same_host.engine`), the board
+(:mod:`~meshcomm.backends.tcp.same_host.board`), copies of peers' memory
+(:mod:`~meshcomm.backends.tcp.same_host.peer_memory`), the failure path
 (:mod:`~meshcomm.backends.tcp.faults`) and the one wait loop
 (:mod:`~meshcomm.backends.tcp.waiting`). Addresses are in
 :mod:`~meshcomm.backends.tcp.addresses`. The listening socket is served by a thread of its
@@ -55,8 +55,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshcomm._secret import job_secret
-from meshcomm.backends.tcp import cma, wire
+from meshcomm.backends.tcp import wire
 from meshcomm.backends.tcp.addresses import (
     addr_key,
     choose_host,
@@ -64,7 +63,6 @@ from meshcomm.backends.tcp.addresses import (
     tune,
 )
 from meshcomm.backends.tcp.alarm import WorldAlarm
-from meshcomm.backends.tcp.board import BoardAllReduce
 from meshcomm.backends.tcp.connections import Connections
 from meshcomm.backends.tcp.faults import ABORT_KEY, LEFT_KEY, Faults
 from meshcomm.backends.tcp.link import TcpLink
@@ -78,11 +76,14 @@ from meshcomm.backends.tcp.matching import (
     Send,
     as_bytes,
 )
-from meshcomm.backends.tcp.peer_memory import PeerMemory
-from meshcomm.backends.tcp.shm import host_key, shm_enabled, sweep
-from meshcomm.backends.tcp.shm_budget import budget_bytes
-from meshcomm.backends.tcp.shm_engine import CMA_MIN, Carrier, ShmEngine, ShmPeer
+from meshcomm.backends.tcp.same_host import cma
+from meshcomm.backends.tcp.same_host.board import BoardAllReduce
+from meshcomm.backends.tcp.same_host.engine import CMA_MIN, Carrier, ShmEngine, ShmPeer
+from meshcomm.backends.tcp.same_host.peer_memory import PeerMemory
+from meshcomm.backends.tcp.same_host.ring_budget import budget_bytes
+from meshcomm.backends.tcp.same_host.rings import host_key, shm_enabled, sweep
 from meshcomm.backends.tcp.waiting import Progress, Spinner, Waiter, shares_cores, spin_policy
+from meshcomm.common.secret import job_secret
 from meshcomm.errors import (
     CommError,
     CommTimeout,
@@ -471,7 +472,7 @@ class Transport:
     # -- the board ---------------------------------------------------------------------------
     def board_local_ok(self, members: Sequence[int]) -> bool:
         """Whether this process could run board calls among ``members`` (global ranks);
-        see :meth:`~meshcomm.backends.tcp.board.BoardAllReduce.local_ok`."""
+        see :meth:`~meshcomm.backends.tcp.same_host.board.BoardAllReduce.local_ok`."""
         return self._board.local_ok(members)
 
     def board_open(self, members: Sequence[int], rank: int) -> None:
@@ -483,7 +484,7 @@ class Transport:
     ) -> None:
         """Reduce ``send`` of every member into ``recv`` on the board (flat, same dtype and
         size, at most ``BOARD_BYTES``; ``send`` may be ``recv``); ``stamp``: the call's
-        stamp, or None (:meth:`~meshcomm.backends.tcp.board.BoardAllReduce.run`).
+        stamp, or None (:meth:`~meshcomm.backends.tcp.same_host.board.BoardAllReduce.run`).
 
         Raises:
             MismatchError: a member's stamp differs from ours.

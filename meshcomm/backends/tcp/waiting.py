@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from meshcomm.backends.tcp.doorbell import Doorbell, spin_us_from_env
+from meshcomm.backends.tcp.same_host.doorbell import Doorbell, spin_us_from_env
 from meshcomm.errors import CommTimeout
 
 __all__ = [

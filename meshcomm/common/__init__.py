@@ -1,0 +1,1 @@
+"""Small pieces every layer uses: timeouts, the job's secret, and import hooks."""

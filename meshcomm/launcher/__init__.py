@@ -1,0 +1,1 @@
+"""The launchers' machinery: ``meshrun``'s command line, supervision, output, and exits."""
