@@ -19,10 +19,11 @@ out of it has completed (an event).
 
 cupy is never imported here: a cupy array can only arrive if the caller imported cupy.
 
+Which arrays are staged, and how a result goes back, is decided in
+:mod:`meshcomm.group.routes`; this module only makes the copies.
+
 Example:
-    >>> import numpy as np
-    >>> x = np.arange(3)
-    >>> to_host(x) == (x, None)
+    >>> pinned_limit() >= 0
     True
 """
 
@@ -30,14 +31,21 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["PINNED_MAX_ENV", "family", "pinned_limit", "to_device", "to_host"]
+__all__ = [
+    "PINNED_MAX_ENV",
+    "download",
+    "family",
+    "pinned_limit",
+    "to_device",
+    "to_host",
+    "upload",
+]
 
 #: Names the largest array (bytes) staged through pinned buffers; 0 turns them off.
 PINNED_MAX_ENV = "MESHCOMM_PINNED_STAGING_MAX"
@@ -84,53 +92,35 @@ def _grown(xp: ModuleType, held: Any, nbytes: int) -> tuple[Any, int]:
     return xp.cuda.alloc_pinned_memory(size), size
 
 
-def family(x: Any) -> ModuleType | None:
-    """The array module of a device array (``cupy``), or None for anything else.
+def download(xp: ModuleType, x: Any) -> np.ndarray:
+    """A host copy of device array ``x`` of module ``xp``, made now (in this thread's pinned
+    buffer up to :func:`pinned_limit` bytes); the caller may overwrite ``x`` at once.
+
+    Which arrays take this way is decided in :mod:`meshcomm.group.routes`.
 
     Example:
-        >>> family(np.zeros(2)) is None
-        True
+        >>> from types import SimpleNamespace
+        >>> fake_cupy = SimpleNamespace(asnumpy=np.asarray)  # an empty array: no pinned copy
+        >>> download(fake_cupy, np.zeros((0, 2))).shape
+        (0, 2)
     """
-    if type(x).__module__.partition(".")[0] != "cupy":
-        return None
-    return sys.modules.get("cupy")
-
-
-def to_host(x: Any) -> tuple[Any, ModuleType | None]:
-    """Return ``(host_x, family)``: ``x`` itself and None unless ``x`` is a device array.
-
-    For a cupy array: a host copy of it (made now, so the caller may overwrite ``x`` at
-    once; in this thread's pinned buffer up to :func:`pinned_limit` bytes) and the ``cupy``
-    module, to turn the result back into a cupy array.
-
-    Example:
-        >>> to_host([1, 2])
-        ([1, 2], None)
-    """
-    if type(x) is np.ndarray:  # the hot path
-        return x, None
-    xp = family(x)
-    if xp is None:
-        return x, None
     nbytes = int(x.nbytes)
     if not 0 < nbytes <= pinned_limit():
-        return xp.asnumpy(x), xp
+        return xp.asnumpy(x)
     _PINNED.down = memory, _ = _grown(xp, _PINNED.down, nbytes)
     host = _host_view(memory, np.dtype(x.dtype), tuple(x.shape))
     # ascontiguousarray would make a 0-d array 1-d; get() waits for the current stream.
     (x if x.flags.c_contiguous else xp.ascontiguousarray(x)).get(out=host)
-    return host, xp
+    return host
 
 
-def to_device(xp: ModuleType, result: Any) -> Any:
-    """Return ``result`` (an array, or None off the root) as an array of ``xp``.
+def upload(xp: ModuleType, result: Any) -> Any:
+    """Return host array ``result`` as a new array of ``xp`` on the current device.
 
     Example:
-        >>> to_device(np, None) is None
-        True
+        >>> upload(np, np.zeros(0))  # empty: a plain xp.asarray
+        array([], dtype=float64)
     """
-    if result is None:
-        return None
     result = np.asarray(result)
     nbytes = result.nbytes
     if not 0 < nbytes <= pinned_limit():
@@ -147,3 +137,26 @@ def to_device(xp: ModuleType, result: Any) -> Any:
     done.record()
     _PINNED.up = (memory, size, done)
     return out
+
+
+# The names callers used before routes.py decided for them; each asks routes.py.
+def family(x: Any) -> ModuleType | None:
+    """:func:`meshcomm.group.routes.device_module`."""
+    from meshcomm.group import routes
+
+    return routes.device_module(x)
+
+
+def to_host(x: Any) -> tuple[Any, ModuleType | None]:
+    """:func:`meshcomm.group.routes.host_route`, as a plain tuple."""
+    from meshcomm.group import routes
+
+    host, back = routes.host_route(x)
+    return host, back
+
+
+def to_device(xp: ModuleType, result: Any) -> Any:
+    """:func:`meshcomm.group.routes.give_back`."""
+    from meshcomm.group import routes
+
+    return routes.give_back(xp, result)
