@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
@@ -48,6 +47,7 @@ import numpy as np
 
 from meshcomm.backends.base import Communicator
 from meshcomm.errors import InvalidArgument, ProtocolError
+from meshcomm.group import routes
 from meshcomm.group.arrays import SUPPORTED_DTYPES, check_dtype, dtype_name
 from meshcomm.group.lower import Call, Lowered, rank_arg, tag_arg
 
@@ -191,7 +191,7 @@ def _device_buffer_like(out: Any, xp: ModuleType, shape: tuple[int, ...], dtype:
     """Whether ``out`` can take a payload directly: an array of ``xp`` (the device module),
     C-contiguous, of that shape and dtype."""
     return (
-        type(out).__module__.partition(".")[0] == xp.__name__.partition(".")[0]
+        routes.array_module(out) is xp
         and out.flags.c_contiguous
         and tuple(out.shape) == shape
         and np.dtype(out.dtype) == dtype
@@ -226,8 +226,8 @@ def fill(where: str, out: Any, got: Any, source: int) -> Any:
         )
     if isinstance(out, np.ndarray):
         np.copyto(out, got if isinstance(got, np.ndarray) else got.get())
-    elif isinstance(got, np.ndarray):
-        out[...] = sys.modules[type(out).__module__.partition(".")[0]].asarray(got)
+    elif isinstance(got, np.ndarray) and (xp := routes.device_module(out)) is not None:
+        out[...] = xp.asarray(got)
     else:
         out[...] = got
     return out

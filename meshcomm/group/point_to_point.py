@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from meshcomm.group import device_p2p as _device_p2p
 from meshcomm.group import lower as _lower
-from meshcomm.group import staging as _staging
+from meshcomm.group import routes
 
 __all__ = ["PointToPoint"]
 
@@ -68,10 +68,10 @@ class PointToPoint:
             array([0, 1, 2])
         """
         c = self._enter("send")
-        if _staging.family(x) is not None and (p2p := self._p2p) is not None:
+        if routes.device_module(x) is not None and (p2p := self._p2p) is not None:
             return self._issue("send", p2p.send(c, x, dst, tag, bool(async_op)), async_op)
-        x, dev = _staging.to_host(x)
-        return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op, dev)
+        x, back = routes.host_route(x)
+        return self._issue("send", _lower.send(c, x, dst, tag, bool(async_op)), async_op, back)
 
     def recv(
         self: _Group,

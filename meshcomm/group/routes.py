@@ -2,8 +2,12 @@
 
 Every layer that takes a caller's array asks this module, and none decides on its own:
 
-- **kind** (:func:`kind_of`): numpy, cupy, a torch tensor on the CPU or on CUDA, a jax
-  array on the CPU or a GPU, or anything else (scalars, lists: numpy converts them);
+- **kind** (:func:`kind_of`): numpy, cupy, a torch tensor on the CPU, on CUDA or elsewhere,
+  a jax array on the CPU or a GPU or a jax tracer, or anything else (scalars, lists: numpy
+  converts them);
+- **how a layer above hands it to a group** (:func:`via_cupy`, :func:`stays_on_device`): a
+  GPU kind goes as a cupy view of its memory (DLPack) where cupy can hold it, else as a host
+  copy; in a group with a device communicator, such a view runs there;
 - **device** (:func:`device_module`): whether the array the group is handed lives on a GPU,
   and its array module (``cupy``; the group moves numpy and cupy arrays only);
 - **device or host** (:func:`group_route`): a device array in a group with a device
@@ -43,17 +47,32 @@ __all__ = [
     "KINDS",
     "DeviceRoute",
     "HostRoute",
+    "array_module",
     "device_module",
     "device_route",
     "give_back",
     "group_route",
     "host_route",
+    "importable_cupy",
+    "is_jax_tracer",
     "kind_of",
+    "stays_on_device",
+    "via_cupy",
 ]
 
 #: Every kind :func:`kind_of` names.
-KINDS = ("numpy", "cupy", "torch", "torch-cuda", "jax", "jax-gpu", "other")
-#: The kinds whose memory is a GPU's.
+KINDS = (
+    "numpy",
+    "cupy",
+    "torch",
+    "torch-cuda",
+    "torch-other",
+    "jax",
+    "jax-gpu",
+    "jax-tracer",
+    "other",
+)
+#: The kinds whose memory is a GPU's that cupy can view (DLPack).
 DEVICE_KINDS = frozenset({"cupy", "torch-cuda", "jax-gpu"})
 
 
@@ -90,10 +109,10 @@ def kind_of(x: Any) -> str:
     """The kind of array ``x`` is (one of :data:`KINDS`), read from its type, never importing
     a library.
 
-    ``torch``/``torch-cuda``: an instance of ``torch.Tensor`` on the CPU or elsewhere
-    (meta tensors and other devices are named ``torch-cuda`` here too: a device; the
-    callers refuse them with their own words). ``jax``/``jax-gpu``: a ``jax.Array`` whose
-    devices are CPUs or not (a tracer is ``jax``: it holds no values on any device).
+    ``torch``, ``torch-cuda``, ``torch-other``: a ``torch.Tensor`` on the CPU, on a CUDA
+    device, elsewhere (meta, mps, ...). ``jax``, ``jax-gpu``: a ``jax.Array`` on CPU devices
+    or not; ``jax-tracer``: a value of jax's tracing (:func:`is_jax_tracer`), which holds no
+    values on any device.
 
     Example:
         >>> kind_of(np.zeros(2)), kind_of(3.0), kind_of([1, 2])
@@ -107,14 +126,74 @@ def kind_of(x: Any) -> str:
     if root == "torch":
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(x, torch.Tensor):
-            return "torch" if x.is_cpu else "torch-cuda"
+            # is_cpu and is_cuda are bools; x.device builds an object per call.
+            return "torch" if x.is_cpu else "torch-cuda" if x.is_cuda else "torch-other"
     elif root in ("jax", "jaxlib"):
         jax = sys.modules.get("jax")
         if jax is not None and isinstance(x, jax.Array):
-            sharding = getattr(x, "sharding", None)
-            devices = getattr(sharding, "device_set", None) or ()
-            return "jax-gpu" if any(d.platform != "cpu" for d in devices) else "jax"
+            if is_jax_tracer(x):
+                return "jax-tracer"
+            cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
+            return "jax" if cpu else "jax-gpu"
     return "other"
+
+
+def is_jax_tracer(x: Any) -> bool:
+    """Whether ``x`` is a jax tracer (a value inside jit, grad, vmap or shard_map tracing).
+
+    Example:
+        >>> is_jax_tracer(np.zeros(1))
+        False
+    """
+    if _root(x) not in ("jax", "jaxlib"):
+        return False
+    core = sys.modules.get("jax.core")
+    tracer = getattr(core, "Tracer", None)
+    return tracer is not None and isinstance(x, tracer)
+
+
+def importable_cupy() -> ModuleType | None:
+    """cupy if it can be imported (imported now if it was not yet), else None: the GPU
+    kinds of torch and jax go through it where it is.
+
+    Example:
+        >>> importable_cupy() is None or importable_cupy().__name__ == "cupy"
+        True
+    """
+    found = sys.modules.get("cupy")
+    if found is not None:
+        return found
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def via_cupy(kind: str, bfloat16: bool = False) -> ModuleType | None:
+    """cupy, where an array of ``kind`` is handed to a group as a cupy view of its memory;
+    None where it goes as a host copy: a host kind, a ``bfloat16`` array (cupy has no such
+    dtype), or cupy not importable.
+
+    Example:
+        >>> via_cupy("numpy") is None, via_cupy("torch-cuda", bfloat16=True) is None
+        (True, True)
+    """
+    if kind not in DEVICE_KINDS or bfloat16:
+        return None
+    return importable_cupy()
+
+
+def stays_on_device(kind: str, bfloat16: bool, device: object | None) -> bool:
+    """Whether an array of ``kind`` runs on a group's device communicator (``device``, None
+    where the group has none) as a cupy view of its memory, rather than through host memory
+    (a host kind, or ``bfloat16``, which cupy has no dtype for).
+
+    Example:
+        >>> stays_on_device("cupy", False, None), stays_on_device("torch", False, object())
+        (False, False)
+    """
+    return device is not None and kind in DEVICE_KINDS and not bfloat16
 
 
 def device_module(x: Any) -> ModuleType | None:
@@ -129,6 +208,17 @@ def device_module(x: Any) -> ModuleType | None:
     if _root(x) != "cupy":
         return None
     return sys.modules.get("cupy")
+
+
+def array_module(x: Any) -> ModuleType | None:
+    """The module of an array a group moves: ``numpy`` for a numpy array, else
+    :func:`device_module`.
+
+    Example:
+        >>> array_module(np.zeros(1)) is np, array_module([1]) is None
+        (True, True)
+    """
+    return np if isinstance(x, np.ndarray) else device_module(x)
 
 
 def device_route(device: Communicator | None, x: Any) -> DeviceRoute | None:
