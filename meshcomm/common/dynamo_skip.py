@@ -35,22 +35,36 @@ __all__ = ["arm", "register", "skipped_paths"]
 #: The module whose loading arms the skip list: Dynamo's rules, complete once it has run.
 _RULES = "torch._dynamo.trace_rules"
 
-#: meshcomm's top-level modules and packages Dynamo may trace; everything else is skipped.
-TRACEABLE = frozenset({"__init__", "ops", "mesh", "_mesh_view", "errors", "reduction"})
+#: The modules and packages Dynamo may trace (paths under meshcomm/); everything else is skipped.
+TRACEABLE = frozenset(
+    {"__init__", "ops", "mesh/__init__", "mesh/drawing", "errors", "reduction"}
+)
 
 _DONE: list[bool] = []
 
 
 def skipped_paths() -> list[str]:
     """The files (``.py``) and package folders (ending in ``/``) Dynamo must not trace."""
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return sorted(_skipped_under(root, ""))
+
+
+def _skipped_under(folder: str, prefix: str) -> list[str]:
+    """The skipped paths of one package folder; ``prefix``: its path under meshcomm."""
     paths = []
-    for info in pkgutil.iter_modules([root]):
-        if info.name in TRACEABLE:
+    for info in pkgutil.iter_modules([folder]):
+        name = prefix + info.name
+        path = os.path.join(folder, info.name)
+        if name in TRACEABLE:
             continue
-        path = os.path.join(root, info.name)
+        if info.ispkg and any(t.startswith(name + "/") for t in TRACEABLE):
+            # partly traceable: decide per module inside
+            if name + "/__init__" not in TRACEABLE:
+                paths.append(os.path.join(path, "__init__.py"))
+            paths += _skipped_under(path, name + "/")
+            continue
         paths.append(path + os.sep if info.ispkg else path + ".py")
-    return sorted(paths)
+    return paths
 
 
 def register() -> None:

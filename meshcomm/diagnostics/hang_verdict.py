@@ -41,7 +41,7 @@ __all__ = ["DISAGREE", "call_site", "grace_seconds", "is_mismatch", "report"]
 #: How a verdict that found the ranks in different calls begins.
 DISAGREE = "ranks disagree on the collective"
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # meshcomm/
 _PREFIX = "meshcomm/verdict/"
 # Reports are small; anything longer from the store is not ours and is ignored.
 _MAX_REPORT = 4096

@@ -66,7 +66,7 @@ def ledger_length() -> int:
 _SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED, _API, _EXTRA = range(11)
 # Operations whose record's extra is a root (the others': a reduce op), when it is not the
 # general path's fingerprint fields (a dict with both).
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # meshcomm/
 _OPS = os.path.join(_PACKAGE, "ops") + os.sep
 # How far back head() looks for the last completed collective (async ones may still run).
 _HEAD_SCAN = 64

@@ -40,7 +40,7 @@ MAX_BYTES = 16 * 1024
 _MAX_GROUPS = 32  # groups described per rank (a mesh has a few)
 _MAX_FRAMES = 3  # innermost user frames kept
 _MAX_TEXT = 200  # characters per string field
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # meshcomm/
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
 
