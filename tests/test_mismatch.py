@@ -267,7 +267,7 @@ def test_signatures_tell_every_kind_apart() -> None:
 def test_signatures_are_the_same_in_every_process() -> None:
     """``hash`` of a str is salted per process; signatures hash ints only."""
     code = (
-        "import numpy as np; from meshcomm import _fingerprint as f; "
+        "import numpy as np; from meshcomm.diagnostics import fingerprint as f; "
         "from meshcomm.reduction import ReduceOp; "
         "print(f.signature_of('all_reduce', {'dtype': np.dtype('float32'), 'shape': (4, 2), "
         "'reduce': ReduceOp.SUM, 'args': ((0, 1),)}, True))"

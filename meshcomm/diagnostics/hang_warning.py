@@ -36,7 +36,7 @@ from meshcomm.diagnostics import position as _heads
 from meshcomm.errors import InvalidArgument, MeshCommError
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
+    from meshcomm.diagnostics.group_view import GroupView
     from meshcomm.store.base import Store
 
 __all__ = ["HANG_WARN_ENV", "HangWarning", "warn_after"]
@@ -74,7 +74,7 @@ def warn_after(env: Mapping[str, str]) -> float:
 class HangWarning:
     """The thread of one rank (see the module docstring); :meth:`start` makes it."""
 
-    def __init__(self, world: ProcessGroup, store: Store | None, after: float) -> None:
+    def __init__(self, world: GroupView, store: Store | None, after: float) -> None:
         self._world = world
         self._store = store
         self._after = after
@@ -84,7 +84,7 @@ class HangWarning:
         )
 
     @classmethod
-    def start(cls, world: ProcessGroup, store: Store | None, after: float) -> HangWarning | None:
+    def start(cls, world: GroupView, store: Store | None, after: float) -> HangWarning | None:
         """Start watching ``world`` and its groups, warning after ``after`` seconds
         (:func:`warn_after`); None when the warning is off, the world has one rank, or its
         timeout comes first."""
@@ -109,7 +109,7 @@ class HangWarning:
                     self._warn(group, now)
                 return  # once per rank; the job's other ranks left it to the first
 
-    def _stuck(self) -> tuple[ProcessGroup, dict[str, Any]] | None:
+    def _stuck(self) -> tuple[GroupView, dict[str, Any]] | None:
         for group in _heads.groups_of(self._world):
             if group.closed:
                 continue
@@ -126,7 +126,7 @@ class HangWarning:
         except (MeshCommError, OSError):
             return True  # the store is gone: say what this rank knows
 
-    def _warn(self, group: ProcessGroup, now: dict[str, Any]) -> None:
+    def _warn(self, group: GroupView, now: dict[str, Any]) -> None:
         me = group.ranks[group.rank]
         call = f"{now['name']} #{now['seq']} {group.label} (called at {now['site']})"
         text = (

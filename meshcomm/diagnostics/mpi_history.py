@@ -38,7 +38,7 @@ from meshcomm.errors import CommError, MismatchError
 
 if TYPE_CHECKING:
     from meshcomm.backends.base import Communicator
-    from meshcomm.group import ProcessGroup
+    from meshcomm.diagnostics.group_view import GroupView
 
 __all__ = ["EVERY", "MASK", "Pending", "due", "fold", "step", "wait_quietly"]
 
@@ -75,7 +75,7 @@ def due(seq: int) -> bool:
 
 
 def step(
-    group: ProcessGroup,
+    group: GroupView,
     comm: Communicator,
     book: _ledger.Ledger,
     pending: Pending | None,
@@ -107,7 +107,7 @@ def wait_quietly(pending: Pending | None, timeout: float) -> None:
 
 
 def _raise_first_difference(
-    group: ProcessGroup, comm: Communicator, book: _ledger.Ledger, upto: int, seq: int
+    group: GroupView, comm: Communicator, book: _ledger.Ledger, upto: int, seq: int
 ) -> NoReturn:
     """Every rank's word for each call the comparison before ``upto`` did not cover, from
     its ledger; the first that differs, in words, as every rank's MismatchError."""

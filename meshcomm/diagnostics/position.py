@@ -31,7 +31,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
+    from meshcomm.diagnostics.group_view import GroupView
 
 __all__ = ["MAX_BYTES", "collect", "encode", "groups_of", "parse", "user_frames"]
 
@@ -44,7 +44,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep 
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
 
-def groups_of(world: ProcessGroup) -> list[ProcessGroup]:
+def groups_of(world: GroupView) -> list[GroupView]:
     """``world`` and every group made from it, parents first."""
     out, todo = [], [world]
     while todo:
@@ -68,7 +68,7 @@ def user_frames(frame: FrameType | None, limit: int = _MAX_FRAMES) -> list[str]:
     return out
 
 
-def collect(world: ProcessGroup, rank: int, frame: FrameType | None = None) -> dict[str, Any]:
+def collect(world: GroupView, rank: int, frame: FrameType | None = None) -> dict[str, Any]:
     """This rank's head: ``rank``, ``pid``, ``idle`` (seconds since its last collective
     call on any group, None if none yet), ``groups`` (``name``, ``label``, and the ledger's
     ``seq``, ``done``, ``now``) and ``stack`` (:func:`user_frames` of ``frame``, default

@@ -53,7 +53,7 @@ from meshcomm.store.prefix import PrefixStore
 from meshcomm.store.tcp import TCPStore
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
+    from meshcomm.diagnostics.group_view import GroupView
 
 __all__ = ["Responder", "answer", "ask", "ask_call"]
 
@@ -160,7 +160,7 @@ _ANSWERED = (
 )  # fmt: skip
 
 
-def _call_answer(world: ProcessGroup, request: bytes) -> bytes:
+def _call_answer(world: GroupView, request: bytes) -> bytes:
     """The answer to a ``call`` request: ``{"record": <record or null>}``."""
     found = None
     parts = request.decode(errors="replace").split("\n")
@@ -222,7 +222,7 @@ def _idle_wait(store: Store) -> float:
 class Responder:
     """The daemon thread of one rank (see the module docstring); :meth:`start` makes it."""
 
-    def __init__(self, world: ProcessGroup, store: Store, rank: int, owns: bool) -> None:
+    def __init__(self, world: GroupView, store: Store, rank: int, owns: bool) -> None:
         self._world = world
         self._store = store
         self._owns = owns
@@ -233,7 +233,7 @@ class Responder:
         )
 
     @classmethod
-    def start(cls, world: ProcessGroup, store: Store, rank: int) -> Responder | None:
+    def start(cls, world: GroupView, store: Store, rank: int) -> Responder | None:
         """Start ``rank``'s responder over ``world`` with a connection of its own to
         ``store``; None when the store cannot give one (or cannot be reached)."""
         try:

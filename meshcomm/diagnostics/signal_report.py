@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from meshcomm.diagnostics import position as _heads
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
+    from meshcomm.diagnostics.group_view import GroupView
 
 __all__ = ["REPORT_DIR_ENV", "TIMEOUT_FILE", "describe", "install", "timed_out", "uninstall"]
 
@@ -71,7 +71,7 @@ def timed_out(text: str) -> None:
             f.write(text.encode(errors="replace")[:_MAX_TIMEOUT_TEXT])
 
 
-def describe(world: ProcessGroup, last: int = 3) -> str:
+def describe(world: GroupView, last: int = 3) -> str:
     """The last ``last`` collectives of ``world`` and of every group made from it."""
     lines = []
     for group in _groups(world):
@@ -92,7 +92,7 @@ def describe(world: ProcessGroup, last: int = 3) -> str:
     return "\n".join(lines)
 
 
-def install(world: ProcessGroup) -> bool:
+def install(world: GroupView) -> bool:
     """Install the ``SIGUSR1`` report for ``world``; False if not possible (another handler,
     not the main thread, no SIGUSR1 on this platform)."""
     usr1 = getattr(signal, "SIGUSR1", None)
