@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
 
 from meshcomm.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from meshcomm.store._conn import Conn
 
 __all__ = [
     "DEFAULT_MEMORY_LIMIT",
@@ -85,7 +81,8 @@ class MemoryBudget:
     Attributes:
         limit: the budget (:func:`parse_memory_limit`).
         stored: keys and values, with :data:`ENTRY_OVERHEAD` each.
-        io: the sum of every connection's ``held`` (unsent replies, input, admitted frames).
+        io: the sum of every connection's ``held`` (unsent replies, input, admitted frames),
+            kept by :meth:`~meshcomm.store._conn.Conn.recount`.
         parked: parked requests, with :data:`WAITER_OVERHEAD` each.
     """
 
@@ -108,9 +105,3 @@ class MemoryBudget:
             f"{self.stored} in keys and values, {self.io} in connection buffers, "
             f"{self.parked} in parked requests"
         )
-
-    def account(self, conn: Conn) -> None:
-        """Recount what ``conn`` holds: unsent replies, and its input or admitted frame."""
-        held = len(conn.out) + max(conn.proto.buffered, conn.reserved)
-        self.io += held - conn.held
-        conn.held = held

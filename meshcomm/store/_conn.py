@@ -1,5 +1,6 @@
 """One client connection as the store server holds it: the socket, the protocol's state, the
-unsent replies, the parked requests and the bytes it counts against the memory budget.
+unsent replies, the parked requests (:class:`Waiter`, indexed by the server in
+:mod:`meshcomm.store._waiters`) and the bytes it counts against the memory budget.
 
 Example:
     >>> import socket
@@ -18,11 +19,12 @@ import time
 from typing import TYPE_CHECKING
 
 from meshcomm.store import wire
+from meshcomm.store._budget import ENTRY_OVERHEAD, WAITER_OVERHEAD
 
 if TYPE_CHECKING:
-    from meshcomm.store._waiters import Waiter
+    from meshcomm.store._budget import MemoryBudget
 
-__all__ = ["Conn"]
+__all__ = ["Conn", "Waiter"]
 
 
 class Conn:
@@ -64,3 +66,28 @@ class Conn:
         # Complete requests wait in ``proto`` because ``out`` is over the high-water mark;
         # the socket is not read until they are handled, so ``proto`` cannot grow.
         self.stalled = False
+
+    def recount(self, budget: MemoryBudget) -> None:
+        """Recount what this connection holds in ``budget``: unsent replies, and its input or
+        admitted frame."""
+        held = len(self.out) + max(self.proto.buffered, self.reserved)
+        budget.io += held - self.held
+        self.held = held
+
+
+class Waiter:
+    """A parked GET / WAIT / MULTI_GET, filed under one of its missing keys."""
+
+    __slots__ = ("conn", "cost", "deadline", "done", "key", "keys", "op", "rid")
+
+    def __init__(
+        self, conn: Conn, rid: int, op: int, keys: list[bytes], key: bytes, deadline: float
+    ) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.op = op
+        self.keys = keys
+        self.key = key
+        self.deadline = deadline
+        self.done = False
+        self.cost = WAITER_OVERHEAD + sum(len(k) + ENTRY_OVERHEAD for k in keys)

@@ -33,8 +33,8 @@ from typing import Any
 from meshcomm.errors import StoreError
 from meshcomm.store import wire
 from meshcomm.store._budget import ENTRY_OVERHEAD, MEMORY_ENV, MemoryBudget
-from meshcomm.store._conn import Conn
-from meshcomm.store._waiters import Waiter, Waiters
+from meshcomm.store._conn import Conn, Waiter
+from meshcomm.store._waiters import Waiters
 from meshcomm.store.memory import KVState
 
 __all__ = ["RequestHandler"]
@@ -186,7 +186,7 @@ class RequestHandler:
                 f"({self._budget.usage()}); raise it with memory_limit= or {MEMORY_ENV}"
             )
         conn.reserved = need
-        self._budget.account(conn)
+        conn.recount(self._budget)
         return None
 
     def _answer(self, conn: Conn, rid: int, op: int, keys: Sequence[bytes]) -> None:
@@ -230,7 +230,7 @@ class RequestHandler:
             conn.proto.frame(out, wire.ok_header(rid, size), value)
         else:
             conn.proto.frame(out, wire.ok_values(rid, values))
-        self._budget.account(conn)
+        conn.recount(self._budget)
 
     def _park(self, conn: Conn, rid: int, op: int, keys: list[bytes], timeout: float) -> None:
         """Park a request on missing keys, unless the connection or the budget is full."""

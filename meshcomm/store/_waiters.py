@@ -1,8 +1,9 @@
 """Parked requests: a GET / WAIT / MULTI_GET on a missing key waits here for the key or for
 its deadline.
 
-Each :class:`Waiter` is filed under one of its missing keys; a write to that key re-files it
-under the next missing one, or hands it back to be answered (:meth:`Waiters.notify`).
+Each :class:`~meshcomm.store._conn.Waiter` is filed under one of its missing keys; a write
+to that key re-files it under the next missing one, or hands it back to be answered
+(:meth:`Waiters.notify`).
 Deadlines sit in a heap; an answered waiter stays there (stale) until its deadline, and the
 heap is rebuilt when stale entries dominate. What parked requests cost is counted in the
 server's :class:`~meshcomm.store._budget.MemoryBudget`.
@@ -10,7 +11,7 @@ server's :class:`~meshcomm.store._budget.MemoryBudget`.
 Example:
     >>> import math, socket
     >>> from meshcomm.store._budget import MemoryBudget
-    >>> from meshcomm.store._conn import Conn
+    >>> from meshcomm.store._conn import Conn, Waiter
     >>> a, b = socket.socketpair()
     >>> budget = MemoryBudget(2**20)
     >>> waiters = Waiters(budget)
@@ -32,28 +33,10 @@ import itertools
 import math
 from collections.abc import Callable
 
-from meshcomm.store._budget import ENTRY_OVERHEAD, WAITER_OVERHEAD, MemoryBudget
-from meshcomm.store._conn import Conn
+from meshcomm.store._budget import MemoryBudget
+from meshcomm.store._conn import Waiter
 
-__all__ = ["Waiter", "Waiters"]
-
-
-class Waiter:
-    """A parked GET / WAIT / MULTI_GET, filed under one of its missing keys."""
-
-    __slots__ = ("conn", "cost", "deadline", "done", "key", "keys", "op", "rid")
-
-    def __init__(
-        self, conn: Conn, rid: int, op: int, keys: list[bytes], key: bytes, deadline: float
-    ) -> None:
-        self.conn = conn
-        self.rid = rid
-        self.op = op
-        self.keys = keys
-        self.key = key
-        self.deadline = deadline
-        self.done = False
-        self.cost = WAITER_OVERHEAD + sum(len(k) + ENTRY_OVERHEAD for k in keys)
+__all__ = ["Waiters"]
 
 
 class Waiters:

@@ -372,7 +372,7 @@ class StoreServer:
             self._drop(conn, None)
             return
         conn.proto.receive_data(self._rview[:size])
-        self._budget.account(conn)
+        conn.recount(self._budget)
         self._process(conn)
         if conn.sock.fileno() >= 0:
             self._flush(conn)
@@ -390,7 +390,7 @@ class StoreServer:
                 if isinstance(event, wire.Request):
                     if conn.reserved:
                         conn.reserved = 0
-                        self._budget.account(conn)
+                        conn.recount(self._budget)
                     self._requests.handle(conn, event.rid, event.op, event.args)
                 elif isinstance(event, wire.Refused):
                     conn.proto.frame(conn.out, wire.error(event.rid, event.reason))
@@ -505,7 +505,7 @@ class StoreServer:
         if events and events != conn.events and conn.sock.fileno() >= 0:
             conn.events = events
             self._sel.modify(conn.sock, events, conn)
-        self._budget.account(conn)
+        conn.recount(self._budget)
 
     def _drop(self, conn: Conn, reason: str | None, level: int = logging.INFO) -> None:
         if conn not in self._conns:
