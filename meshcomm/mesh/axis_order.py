@@ -20,21 +20,49 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from meshcomm.errors import MismatchError
 
 if TYPE_CHECKING:
-    from meshcomm.mesh import DeviceMesh
+    from meshcomm.group import ProcessGroup
+    from meshcomm.mesh.groups import MeshGroups
 
-__all__ = ["agree_order"]
+__all__ = ["OrderedMesh", "agree_order"]
 
 _AGREED = "_ops_agreed"  # the tuples of root axes whose order was agreed, on the mesh's root
 
 
-def agree_order(mesh: DeviceMesh, dims: tuple[int, ...], where: str) -> None:
+class OrderedMesh(Protocol):
+    """What :func:`agree_order` reads of a :class:`~meshcomm.mesh.DeviceMesh`, which imports
+    this module (so this module types against the Protocol, not the mesh)."""
+
+    @property
+    def _root(self) -> MeshGroups:
+        """The groups of the root mesh this one was sliced from."""
+        ...
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """One name per axis."""
+        ...
+
+    def _root_axes(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The root mesh's axes of this mesh's ``dims``."""
+        ...
+
+    def _group_for_dims(self, dims: tuple[int, ...]) -> ProcessGroup:
+        """The group of ``dims`` (in that order) holding this rank."""
+        ...
+
+    def _my_coordinate(self, what: str) -> tuple[int, ...]:
+        """This rank's coordinate; raises naming ``what`` when it is not in the mesh."""
+        ...
+
+
+def agree_order(mesh: OrderedMesh, dims: tuple[int, ...], where: str) -> None:
     """Check, on the first use of the tuple of axes ``dims`` on ``mesh``'s grid, that every
     rank of its group names the axes in the same order; raise on every one of them if not.
 
