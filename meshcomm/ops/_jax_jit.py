@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,12 +44,39 @@ from meshcomm.ops._checks import axis_arg, block_shape
 from meshcomm.ops.pytree import tree_flatten, tree_unflatten
 from meshcomm.reduction import ReduceOp, check_op_dtype
 
-if TYPE_CHECKING:
-    from meshcomm.ops._autodiff import Call
-
-__all__ = ["out_specs", "settle", "stage", "stageable"]
+__all__ = ["StagedCall", "out_specs", "settle", "stage", "stageable"]
 
 _local = threading.local()
+
+
+class StagedCall(Protocol):
+    """What staging reads of an op call (:class:`meshcomm.ops._autodiff.Call`, whose module
+    imports this one: the call is typed here by what it offers, not by its class)."""
+
+    @property
+    def where(self) -> str:
+        """The op, axis and rank, for errors (its first word names the op)."""
+        ...
+
+    @property
+    def op(self) -> str:
+        """The op's name (``psum``)."""
+        ...
+
+    @property
+    def forward(self) -> Callable[[Any], Any]:
+        """The op with its arguments bound, on a pytree."""
+        ...
+
+    @property
+    def transpose(self) -> Callable[[list[Any], list[Any], list[Any]], list[Any]]:
+        """The backward rule: (cotangents, primal inputs, primal outputs) -> gradients."""
+        ...
+
+    @property
+    def needs_primals(self) -> bool:
+        """Whether ``transpose`` reads the primal inputs and outputs."""
+        ...
 
 
 def stageable(x: Any) -> bool:
@@ -73,7 +100,7 @@ def stageable(x: Any) -> bool:
     return not jax.sharding.get_abstract_mesh().manual_axes
 
 
-def out_specs(call: Call, leaves: list[Any]) -> list[Any]:
+def out_specs(call: StagedCall, leaves: list[Any]) -> list[Any]:
     """The ``jax.ShapeDtypeStruct`` of each leaf's result, checked as the eager op checks.
 
     Args:
@@ -159,7 +186,7 @@ def _exchanged(where: str, shape: tuple[int, ...], kw: dict[str, Any], size: int
     return (*block[:concat], size, *block[concat:])
 
 
-def stage(call: Call, x: Any) -> Any:
+def stage(call: StagedCall, x: Any) -> Any:
     """Run ``call`` on the pytree ``x`` of traced values as a differentiable ordered callback.
 
     Every leaf is an input of one ``jax.custom_vjp`` node; the backward rule runs on the
