@@ -39,6 +39,7 @@ from meshcomm.c10d._work import TorchWork, completed
 from meshcomm.distributed._pg import ProcessGroup as Handle
 from meshcomm.distributed._state import STATE as _STATE
 from meshcomm.group import ProcessGroup as MeshGroup
+from meshcomm.group import routes
 from meshcomm.reduction import ReduceOp as MeshOp
 
 __all__ = ["BACKEND_NAME", "MeshcommProcessGroup", "Unsupported"]
@@ -259,7 +260,7 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         if (
             mop is None
             or t.dtype not in _INLINE_DTYPES
-            or not t.is_cpu
+            or routes.torch_kind(t) != "torch"  # a host tensor: its memory is reduced in place
             or not t.is_contiguous()
             or opts.timeout != _UNSET
         ):

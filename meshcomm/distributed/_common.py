@@ -22,6 +22,7 @@ from meshcomm.distributed._reduce_op import supports_complex, to_meshcomm
 from meshcomm.distributed._state import STATE, resolve, warn_not_in_group
 from meshcomm.distributed._tensors import Buffer, device_stream
 from meshcomm.distributed._work import Work
+from meshcomm.group import routes
 from meshcomm.reduction import ReduceOp as MeshOp
 from meshcomm.reduction import check_op_dtype
 
@@ -43,7 +44,8 @@ Issue = Callable[[bool], Any]
 class Route:
     """Where one call's input values go: over the group's device backend where every input
     lives on the GPU and the group has one (cupy views of the caller's memory, worked on in
-    torch's current stream), else through host memory (numpy).
+    torch's current stream), else through host memory (numpy). Each buffer's way is decided
+    in :mod:`meshcomm.group.routes` (:meth:`Buffer.device_view`).
 
     Args:
         group: the meshcomm group.
@@ -67,9 +69,7 @@ class Route:
         self._lead = inputs[0] if self.on_device else None
         self.xp: ModuleType = np
         if self.on_device:
-            import cupy
-
-            self.xp = cupy
+            self.xp = routes.device_module(views[0]) or np
 
     def flat(self, buf: Buffer) -> Any:
         """``buf``'s values, 1-D: its device view on the device route, else :func:`flat`."""

@@ -12,7 +12,9 @@ object as a :class:`Buffer`:
   copy for inputs, one host-to-device copy into the caller's memory for outputs (meshcomm's
   backends compute on host memory today). Without cupy, CUDA tensors use torch's own copies.
 
-torch and cupy are never imported here unless the caller passed one of their objects.
+Each object's kind, and whether a GPU one runs over a group's device backend, is decided in
+:mod:`meshcomm.group.routes`. torch and cupy are never imported here unless the caller
+passed one of their objects.
 Anything else is a ``TypeError`` that names the parameter and the type.
 
 Example:
@@ -24,13 +26,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from meshcomm.group import routes
 from meshcomm.group.arrays import SUPPORTED_DTYPES, plain_array
 
 __all__ = [
@@ -43,21 +45,6 @@ __all__ = [
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _torch_tensor_type() -> Any:
-    torch = sys.modules.get("torch")
-    return None if torch is None else getattr(torch, "Tensor", None)
-
-
-def _is_torch(x: Any) -> bool:
-    cls = _torch_tensor_type()
-    return cls is not None and isinstance(x, cls)
-
-
-def _is_cupy(x: Any) -> bool:
-    cupy = sys.modules.get("cupy")
-    return cupy is not None and isinstance(x, cupy.ndarray)
 
 
 def _describe(x: Any) -> str:
@@ -122,7 +109,7 @@ class Buffer:
         """The caller's GPU memory as a cupy array, for ``group`` (a meshcomm group) to move
         over its device backend; None where the values go through host memory: a host
         kind, a group without a device backend, or bfloat16 (cupy has no such dtype)."""
-        if self.kind not in _DEVICE_KINDS or group.device_backend is None or self.dtype == _BF16:
+        if not routes.stays_on_device(self.kind, self.dtype == _BF16, group.device_backend):
             return None
         return _cupy_view(self)
 
@@ -195,7 +182,7 @@ def _torch_numpy_dtype(t: Any, name: str) -> np.dtype:
     return found
 
 
-def _torch_buffer(t: Any, name: str) -> Buffer:
+def _torch_buffer(t: Any, kind: str, name: str) -> Buffer:
     import torch
 
     if t.layout != torch.strided:
@@ -206,7 +193,7 @@ def _torch_buffer(t: Any, name: str) -> Buffer:
     if dt is None:  # not seen yet, or unsupported (which raises)
         dt = _torch_numpy_dtype(t, name)
     shape = tuple(t.shape)  # torch.Size holds ints
-    if t.is_cpu:  # a bool, where t.device builds a device object per call
+    if kind == "torch":
         base = t.detach() if t.requires_grad else t
         if base.is_conj() or base.is_neg():
             raise TypeError(
@@ -222,8 +209,8 @@ def _torch_buffer(t: Any, name: str) -> Buffer:
                 f"(torch.compile breaks the graph at meshcomm's calls): {exc}"
             ) from None
         return Buffer(t, "torch", shape, dt, name, view)
-    if t.is_cuda:
-        return Buffer(t, "torch-cuda", shape, dt, name, None)
+    if kind == "torch-cuda":
+        return Buffer(t, kind, shape, dt, name, None)
     raise TypeError(f"{name}: torch tensors on device {t.device} are not supported (cpu, cuda)")
 
 
@@ -244,7 +231,8 @@ def as_buffer(x: Any, name: str) -> Buffer:
         ...
         TypeError: tensor must be a numpy array, a torch tensor or a cupy array, got list
     """
-    if isinstance(x, np.ndarray):
+    kind = routes.kind_of(x)
+    if kind == "numpy":
         view = plain_array(x, name)  # np.matrix as its values; a masked array is refused
         dt = x.dtype
         if dt.kind in "biufc" and not dt.isnative:
@@ -252,9 +240,9 @@ def as_buffer(x: Any, name: str) -> Buffer:
         if dt not in _SUPPORTED:
             raise TypeError(f"{name}: numpy dtype {x.dtype} is not supported")
         return Buffer(x, "numpy", view.shape, dt, name, view)
-    if _is_torch(x):
-        return _torch_buffer(x, name)
-    if _is_cupy(x):
+    if kind in ("torch", "torch-cuda", "torch-other"):
+        return _torch_buffer(x, kind, name)
+    if kind == "cupy":
         dt = np.dtype(x.dtype)
         if dt not in _SUPPORTED:
             raise TypeError(f"{name}: cupy dtype {dt} is not supported")
@@ -302,7 +290,6 @@ def same_dtype(buffers: Sequence[Buffer]) -> None:
 
 
 # -- device kinds (need a GPU; exercised only where one is present) --------------------------
-_DEVICE_KINDS = ("cupy", "torch-cuda")
 
 
 def device_stream(buf: Buffer) -> contextlib.AbstractContextManager[Any]:
@@ -329,16 +316,8 @@ def _cupy_view(buf: Buffer) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _have_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _device_to_host(buf: Buffer) -> np.ndarray:
-    if buf.kind == "torch-cuda" and not _have_cupy():
+    if buf.kind == "torch-cuda" and routes.importable_cupy() is None:
         import torch
 
         t = buf.obj.detach()
@@ -354,7 +333,7 @@ def _device_to_host(buf: Buffer) -> np.ndarray:
 def _host_to_device(buf: Buffer, values: np.ndarray) -> None:
     if buf.dtype == _BF16:
         values = values.view(np.int16)
-    if buf.kind == "torch-cuda" and not _have_cupy():
+    if buf.kind == "torch-cuda" and routes.importable_cupy() is None:
         import torch
 
         t = buf.obj.detach()

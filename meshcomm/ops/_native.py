@@ -18,7 +18,9 @@ jax array, one device  ``np.asarray`` (no copy on     CPU: ``jnp.asarray`` (smal
 cupy array             as is                          cupy array
 =====================  =============================  ====================================
 
-torch ``bfloat16`` goes through an ``int16`` view re-typed as ``ml_dtypes.bfloat16`` both
+Which row a leaf takes is decided in :mod:`meshcomm.group.routes` (its kind, and whether a
+GPU leaf goes as a cupy view); this module makes the conversions. torch ``bfloat16`` goes
+through an ``int16`` view re-typed as ``ml_dtypes.bfloat16`` both
 ways (numpy has no bfloat16 of its own). A tensor with its conjugate or negative bit set is
 resolved first (one copy), as ``Tensor.numpy`` requires. torch and jax are never imported
 here: a tensor can only arrive if the caller imported its library.
@@ -38,6 +40,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from meshcomm.group import routes
+from meshcomm.group.routes import is_jax_tracer
 
 __all__ = [
     "Rewrap",
@@ -60,22 +65,8 @@ def torch_tensor_type() -> Any:
     return None if torch is None else torch.Tensor
 
 
-def _module_root(x: Any) -> str:
-    return type(x).__module__.partition(".")[0]
-
-
-def is_jax_tracer(x: Any) -> bool:
-    """Whether ``x`` is a jax tracer (a value inside jit, grad, vmap or shard_map tracing).
-
-    Example:
-        >>> is_jax_tracer(np.zeros(1))
-        False
-    """
-    if _module_root(x) not in ("jax", "jaxlib"):
-        return False
-    core = sys.modules.get("jax.core")
-    tracer = getattr(core, "Tracer", None)
-    return tracer is not None and isinstance(x, tracer)
+_TORCH_KINDS = frozenset({"torch", "torch-cuda", "torch-other"})
+_JAX_KINDS = frozenset({"jax", "jax-gpu", "jax-tracer"})
 
 
 def unwrap(x: Any, where: str) -> tuple[Any, Rewrap | None]:
@@ -91,13 +82,11 @@ def unwrap(x: Any, where: str) -> tuple[Any, Rewrap | None]:
     """
     if type(x) is np.ndarray:
         return x, None
-    root = _module_root(x)
-    if root == "torch":
-        tensor = torch_tensor_type()
-        if tensor is not None and isinstance(x, tensor):
-            return _unwrap_torch(x, where)
-    elif root in ("jax", "jaxlib"):
-        return _unwrap_jax(x, where)
+    kind = routes.kind_of(x)
+    if kind in _TORCH_KINDS:
+        return _unwrap_torch(x, kind, where)
+    if kind in _JAX_KINDS:
+        return _unwrap_jax(x, kind, where)
     return x, None
 
 
@@ -129,18 +118,18 @@ def tensor_of_numpy(result: np.ndarray) -> Any:
     return sys.modules["torch"].from_numpy(result)
 
 
-def _unwrap_torch(t: Any, where: str) -> tuple[Any, Rewrap]:
+def _unwrap_torch(t: Any, kind: str, where: str) -> tuple[Any, Rewrap]:
     import torch  # already imported by the caller: a tensor is in hand
 
     if t.requires_grad:
         t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
-    if t.device.type == "meta":
+    if kind == "torch-other" and t.device.type == "meta":
         raise TypeError(
             f"{where}: a torch meta tensor has no values to communicate; pass a CPU or CUDA tensor"
         )
-    if t.device.type == "cpu":
+    if kind == "torch":
         if t.dtype is torch.bfloat16:
             return t.view(torch.int16).numpy().view(_BF16), _to_torch_cpu
         try:
@@ -151,13 +140,13 @@ def _unwrap_torch(t: Any, where: str) -> tuple[Any, Rewrap]:
                 "uint8..uint64, float16/32/64, complex64/128, bfloat16)"
             ) from None
     device = t.device
-    cupy = _cupy()
-    # cupy has no bfloat16: such tensors take torch's own copies, as without cupy.
-    if cupy is not None and device.type == "cuda" and t.dtype is not torch.bfloat16:
+    # Without cupy, or for bfloat16 (cupy has none), torch's own copies.
+    cupy = routes.via_cupy(kind, t.dtype is torch.bfloat16)
+    if cupy is not None:
         with cupy.cuda.Device(device.index):
             arr = cupy.from_dlpack(t)
         return arr, lambda r: _to_torch_device(r, device)
-    host, _ = _unwrap_torch(t.cpu(), where)
+    host, _ = _unwrap_torch(t.cpu(), "torch", where)
     return host, lambda r: _to_torch_device(r, device)
 
 
@@ -177,24 +166,11 @@ def _to_torch_device(result: Any, device: Any) -> Any:
     return torch.from_dlpack(result)
 
 
-def _cupy() -> Any:
-    """cupy if it can be imported (for CUDA tensors and jax GPU arrays), else None."""
-    found = sys.modules.get("cupy")
-    if found is not None:
-        return found
-    try:
-        import cupy
-    except ImportError:
-        return None
-    return cupy
-
-
 # -- jax -----------------------------------------------------------------------------------
-def _unwrap_jax(x: Any, where: str) -> tuple[Any, Rewrap | None]:
-    jax = sys.modules.get("jax")
-    if jax is None or not isinstance(x, jax.Array):
-        return x, None
-    if is_jax_tracer(x):
+def _unwrap_jax(x: Any, kind: str, where: str) -> tuple[Any, Rewrap | None]:
+    import jax  # already imported by the caller: a jax array is in hand
+
+    if kind == "jax-tracer":
         from meshcomm.ops._jax_jit import stageable
 
         if stageable(x):  # only calls that move nothing get here (pcast over no axes)
@@ -210,9 +186,9 @@ def _unwrap_jax(x: Any, where: str) -> tuple[Any, Rewrap | None]:
             "one device's shard (pass x.addressable_shards[i].data)"
         )
     (device,) = devices
-    if device.platform == "cpu":
+    if kind == "jax":
         return np.asarray(x), lambda r: _to_jax_cpu(r, device)
-    cupy = _cupy()
+    cupy = routes.via_cupy(kind, x.dtype == _BF16)
     arr = cupy.from_dlpack(x) if cupy is not None else np.asarray(x)
     return arr, lambda r: jax.device_put(
         jax.dlpack.from_dlpack(r) if not isinstance(r, np.ndarray) else r, device
