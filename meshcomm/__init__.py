@@ -23,6 +23,7 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from meshcomm.common.version import VERSION as __version__
 from meshcomm.errors import (
     CommError,
     CommTimeout,
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
     from meshcomm.store import FileStore, HashStore, PrefixStore, Store, TCPStore
     from meshcomm.world import get_world, get_world_info, init, is_initialized, shutdown
 
-__version__ = "0.1.0"
 
 # name -> module that defines it; resolved by __getattr__ on first access.
 _LAZY = {

@@ -37,6 +37,8 @@ import platform
 import sys
 from typing import Any
 
+from meshcomm.common.version import VERSION
+
 # importlib.metadata (and the email package under it) and subprocess are imported when
 # info() runs: ``import meshcomm`` imports this module in every rank.
 
@@ -241,7 +243,7 @@ def info(*, verbose: bool = True, query_mpi: bool | None = None) -> dict[str, An
 
     launcher = _launcher()
     facts: dict[str, Any] = {
-        "meshcomm": _version("meshcomm") or _package_version(),
+        "meshcomm": _version("meshcomm") or VERSION,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "ml_dtypes": _version("ml_dtypes"),
@@ -259,12 +261,6 @@ def info(*, verbose: bool = True, query_mpi: bool | None = None) -> dict[str, An
     if verbose:
         print(format_report(facts))
     return facts
-
-
-def _package_version() -> str:
-    from meshcomm import __version__
-
-    return __version__
 
 
 def format_report(facts: dict[str, Any]) -> str:
