@@ -330,7 +330,7 @@ def plans() -> list[str]:
             except meshcomm.errors.InvalidArgument:
                 pass
         # Every plan with a runner runs one of MPI's (Communicator.runner), for every collective.
-        planned = [p for p in group._plans.values() if p.run is not None]
+        planned = [p for p in group._issuer.plans.values() if p.run is not None]
         runners = {getattr(p.run, "__qualname__", "") for p in planned}
         collectives = {p.collective for p in planned}
         everyone = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}

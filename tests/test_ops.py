@@ -121,14 +121,14 @@ def test_one_array_at_axis_0_goes_straight_to_the_group(
 
     group = mesh.get_group("tp")
     seen: list[tuple[str, bool, bool]] = []
-    run_plan = group._run_plan
+    run_plan = group._issuer.run_plan
 
     def spy(plan: Any, arr: Any, async_op: bool) -> Any:
         seen.append((plan.collective, arr is x, async_op))
         return run_plan(plan, arr, async_op)
 
     # The direct paths run the group's plan for the call (with the axis' note: its words).
-    monkeypatch.setattr(group, "_run_plan", spy)
+    monkeypatch.setattr(group._issuer, "run_plan", spy)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)[:1]
     for op in (
         lambda: ops.psum(x, "tp", mesh=mesh),
@@ -326,19 +326,19 @@ def test_a_bad_leaf_stops_the_whole_tree_before_io(mesh: DeviceMesh) -> None:
 def test_coalescing_one_transfer_per_dtype(mesh: DeviceMesh) -> None:
     calls: list[tuple[Any, ...]] = []
     group = mesh.get_group("tp")
-    original = group._run_plan
+    original = group._issuer.run_plan
 
     def spy(plan: Any, x: Any, async_op: bool) -> Any:
         calls.append((np.asarray(x).dtype, np.asarray(x).shape))
         return original(plan, x, async_op)
 
-    group._run_plan = spy  # type: ignore[method-assign]
+    group._issuer.run_plan = spy  # type: ignore[method-assign]
     try:
         tree = [np.ones((2, 3), np.float32), np.ones(4, np.float32), np.int32(2), np.ones(1)]
         tree.append(np.ones(5, np.float32))
         out = ops.psum(tree, "tp", mesh=mesh)
     finally:
-        del group._run_plan
+        del group._issuer.run_plan
     assert sorted((dt.name, shape) for dt, shape in calls) == [
         ("float32", (15,)),  # three float32 leaves in one transfer
         ("float64", (1,)),  # alone: passed as is

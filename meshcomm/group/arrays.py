@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import ml_dtypes
@@ -44,9 +45,11 @@ __all__ = [
     "check_dtype",
     "copy_into",
     "dtype_name",
+    "joined_shape",
     "normalize_shape",
     "plain_array",
     "rank_blocks_fit",
+    "rank_major",
     "unstack",
 ]
 
@@ -262,41 +265,69 @@ def rank_blocks_fit(x: Any, size: int, tiled: bool) -> bool:
     return x.ndim > 0 and (x.shape[0] % size == 0 if tiled else x.shape[0] == size)
 
 
-def blocks_view(x: np.ndarray, axis: int, size: int, tiled: bool) -> np.ndarray:
+def blocks_view(x: Any, axis: int, size: int, tiled: bool, xp: ModuleType = np) -> Any:
     """View ``x`` as ``size`` rank blocks along ``axis``, block index first.
 
     Not tiled: ``x.shape[axis] == size`` and block ``r`` is ``x.take(r, axis)``. Tiled:
     block ``r`` is the ``r``-th of ``size`` equal chunks along ``axis`` (the axis keeps its
     place in the block). The caller checks sizes; copying the view C-contiguously gives the
-    rank-major layout communicators expect.
+    rank-major layout communicators expect. ``xp``: the array's module (numpy, or cupy for a
+    device array): host and device lowerings share this layout.
 
     Example:
         >>> blocks_view(np.arange(4).reshape(2, 2), axis=1, size=2, tiled=False)[1]
         array([1, 3])
     """
     if not tiled:
-        return x if axis == 0 else np.moveaxis(x, axis, 0)
+        return x if axis == 0 else xp.moveaxis(x, axis, 0)
     chunk = x.shape[axis] // size if size else 0
     split = x.reshape((*x.shape[:axis], size, chunk, *x.shape[axis + 1 :]))
     # moveaxis costs microseconds of argument normalization; axis 0 needs no move.
-    return split if axis == 0 else np.moveaxis(split, axis, 0)
+    return split if axis == 0 else xp.moveaxis(split, axis, 0)
+
+
+def rank_major(x: Any, axis: int, size: int, tiled: bool, xp: ModuleType = np) -> Any:
+    """A C-contiguous copy of :func:`blocks_view` (block 0 first; ``x`` itself where it is
+    that already).
+
+    Example:
+        >>> rank_major(np.arange(4).reshape(2, 2), axis=1, size=2, tiled=False)
+        array([[0, 2],
+               [1, 3]])
+    """
+    return xp.ascontiguousarray(blocks_view(x, axis, size, tiled, xp))
+
+
+def joined_shape(block: tuple[int, ...], axis: int, size: int, tiled: Any) -> tuple[int, ...]:
+    """The shape of ``size`` blocks of shape ``block`` put together at ``axis``: stacked
+    there (a new axis), or concatenated along it when ``tiled`` (what :func:`unstack`
+    returns).
+
+    Example:
+        >>> joined_shape((2, 3), 1, 4, False), joined_shape((2, 3), 1, 4, True)
+        ((2, 4, 3), (2, 12))
+    """
+    if tiled:
+        return (*block[:axis], size * block[axis], *block[axis + 1 :])
+    return (*block[:axis], size, *block[axis:])
 
 
 def unstack(
-    flat: np.ndarray,
+    flat: Any,
     block_shape: tuple[int, ...],
     axis: int,
     size: int,
     tiled: bool,
     alloc: Callable[[np.dtype, int], np.ndarray] | None = None,
-) -> np.ndarray:
+    xp: ModuleType = np,
+) -> Any:
     """Turn ``size`` rank-major blocks into the result, stacked or concatenated at ``axis``.
 
     Not tiled: a new axis of length ``size`` is inserted at ``axis`` (``0 <= axis <=
     len(block_shape)``). Tiled: the blocks are concatenated along ``axis`` (``0 <= axis <
     len(block_shape)``). The result is C-contiguous; it shares ``flat``'s memory whenever
     the layout allows (axis 0, or only length-1 axes before it), else it is one copy, into
-    ``alloc(dtype, count)`` (a flat array) when given.
+    ``alloc(dtype, count)`` (a flat array) when given. ``xp``: the array's module.
 
     Example:
         >>> unstack(np.arange(4), (2,), axis=1, size=2, tiled=False)
@@ -306,21 +337,17 @@ def unstack(
     stacked = flat.reshape((size, *block_shape))
     # At axis 0 the rank-major layout already is the result; moveaxis would cost
     # microseconds of argument normalization to move nothing.
-    moved = stacked if axis == 0 else np.moveaxis(stacked, 0, axis)
-    if moved.flags.c_contiguous:  # no transpose needed: a view of ``flat``
-        if tiled:
-            return moved.reshape(
-                (*block_shape[:axis], size * block_shape[axis], *block_shape[axis + 1 :])
-            )
-        return moved
-    out = np.empty(moved.shape, flat.dtype) if alloc is None else alloc(flat.dtype, flat.size)
-    out = out.reshape(moved.shape)
-    np.copyto(out, moved)
+    moved = stacked if axis == 0 else xp.moveaxis(stacked, 0, axis)
+    if not moved.flags.c_contiguous:  # a transpose: one copy
+        if alloc is None:
+            moved = xp.ascontiguousarray(moved)
+        else:
+            out = alloc(flat.dtype, flat.size).reshape(moved.shape)
+            xp.copyto(out, moved)
+            moved = out
     if tiled:
-        return out.reshape(
-            (*block_shape[:axis], size * block_shape[axis], *block_shape[axis + 1 :])
-        )
-    return out
+        return moved.reshape(joined_shape(block_shape, axis, size, True))
+    return moved
 
 
 class ScratchPool:

@@ -31,27 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshcomm.backends.base import Communicator
 from meshcomm.diagnostics import fingerprint as _fingerprint
 from meshcomm.errors import InvalidArgument
-from meshcomm.group.arrays import check_dtype
-from meshcomm.group.lower import (
-    COMPOSED,
-    Call,
-    Lowered,
-    agree,
-    axis_arg,
-    perm_pairs,
-    rank_arg,
-    reduce_op_and_factor,
-    split_blocks,
-)
+from meshcomm.group import signatures as _sig
+from meshcomm.group.arrays import check_dtype, rank_major, unstack
+from meshcomm.group.lower import Lowered
+from meshcomm.group.signatures import Call, agree, perm_pairs, primitive, rank_arg
 from meshcomm.reduction import ReduceOp
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = [
     "DevicePlan",
@@ -77,26 +66,6 @@ def _flat(xp: ModuleType, x: Any) -> Any:
     return (x if x.flags.c_contiguous else xp.ascontiguousarray(x)).reshape(-1)
 
 
-def _rank_major(xp: ModuleType, x: Any, axis: int, size: int, tiled: bool) -> Any:
-    """A C-contiguous copy of ``x``'s ``size`` rank blocks along ``axis``, block 0 first."""
-    if tiled:
-        chunk = x.shape[axis] // size if size else 0
-        x = x.reshape((*x.shape[:axis], size, chunk, *x.shape[axis + 1 :]))
-    return xp.ascontiguousarray(xp.moveaxis(x, axis, 0) if axis else x)
-
-
-def _unstacked(
-    xp: ModuleType, blocks: Any, block: tuple[int, ...], axis: int, size: int, tiled: bool
-) -> Any:
-    """``size`` rank-major blocks stacked (a new axis) or concatenated at ``axis``."""
-    moved = blocks.reshape((size, *block))
-    if axis:
-        moved = xp.ascontiguousarray(xp.moveaxis(moved, 0, axis))
-    if tiled:
-        return moved.reshape((*block[:axis], size * block[axis], *block[axis + 1 :]))
-    return moved
-
-
 def _scale(xp: ModuleType, x: Any, factor: Any) -> Any:
     """``x * factor`` in a new C-contiguous array of ``x``'s shape (0-d stays 0-d)."""
     out = xp.empty(x.shape, dtype=x.dtype)
@@ -104,42 +73,38 @@ def _scale(xp: ModuleType, x: Any, factor: Any) -> Any:
     return out
 
 
-def all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: Any) -> Lowered:
-    """Lower ``all_reduce`` of a device array: reduced into a new array (out of place)."""
-    dt, rop, f, prim = _reduction(c, dev, x, op, factor)
-    return _reducing(c, dev, xp, x, dt, f, xp.empty(x.shape, dtype=x.dtype), prim, rop)
+def all_reduce(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: Any, snapshot: bool = False
+) -> Lowered:
+    """Lower ``all_reduce`` of a device array: reduced into a new array (out of place).
+
+    ``snapshot`` is the host lowerings' (every device lowering takes it and ignores it:
+    its body runs at once on the caller's stream, so the input cannot change under it).
+    """
+    return _reducing(c, dev, xp, x, op, factor, xp.empty(x.shape, dtype=x.dtype))
 
 
-def _reduction(
-    c: Call, dev: Communicator, x: Any, op: Any, factor: Any
-) -> tuple[np.dtype, ReduceOp, Any, ReduceOp]:
-    """What every reducing lowering checks first: ``(dtype, op, factor, primitive op)``,
-    where the primitive op is the one the device runs (``avg`` and ``premul_sum`` are sums).
+def _reduces(c: Call, dev: Communicator, fields: dict[str, Any]) -> ReduceOp:
+    """The primitive op the device runs for the checked ``fields`` of a reducing call
+    (``avg`` and ``premul_sum`` are sums), refused where the device cannot reduce the
+    dtype with it.
 
     Raises:
-        TypeError: the dtype is unsupported, or the device cannot reduce it with that op.
-        InvalidArgument: an unknown op, or a factor missing or misplaced.
+        TypeError: the device cannot reduce the dtype with that op.
     """
-    dt = check_dtype(x.dtype, c.where)
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
-    dev.check_reduction(dt, prim, c.where)
-    return dt, rop, f, prim
+    prim = primitive(fields["reduce"])
+    dev.check_reduction(fields["dtype"], prim, c.where)
+    return prim
 
 
 def _reducing(
-    c: Call,
-    dev: Communicator,
-    xp: ModuleType,
-    x: Any,
-    dt: np.dtype,
-    f: Any,
-    out: Any,
-    prim: ReduceOp,
-    rop: ReduceOp,
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: Any, out: Any
 ) -> Lowered:
-    """The lowering that reduces ``x`` (times ``f`` where given) into C-contiguous ``out``
-    (``avg``: then divides) and returns ``out``."""
+    """The lowering that reduces ``x`` (times the factor where given) into C-contiguous
+    ``out`` (``avg``: then divides) and returns ``out``."""
+    dt = check_dtype(x.dtype, c.where)
+    fields, f = _sig.all_reduce(c, dt, tuple(x.shape), op, factor)
+    prim, rop = _reduces(c, dev, fields), fields["reduce"]
     send = _flat(xp, x if f is None else _scale(xp, x, f))
     flat_out, size = _flat(xp, out), c.size
 
@@ -149,7 +114,7 @@ def _reducing(
             xp.true_divide(out, size, out=out)
         return out
 
-    return body, {"dtype": dt, "shape": tuple(x.shape), "reduce": rop}
+    return body, fields
 
 
 def all_reduce_into(
@@ -168,7 +133,7 @@ def all_reduce_into(
         >>> body() is x
         True
     """
-    dt = check_dtype(x.dtype, c.where)
+    check_dtype(x.dtype, c.where)
     if (
         type(out) is not type(x)
         or not out.flags.c_contiguous
@@ -180,8 +145,7 @@ def all_reduce_into(
             f"{tuple(x.shape)} and dtype {x.dtype}; got {type(out).__name__} of shape "
             f"{tuple(getattr(out, 'shape', ()))} and dtype {getattr(out, 'dtype', None)}"
         )
-    _, rop, f, prim = _reduction(c, dev, x, op, factor)
-    return _reducing(c, dev, xp, x, dt, f, out, prim, rop)
+    return _reducing(c, dev, xp, x, op, factor, out)
 
 
 class DevicePlan:
@@ -199,9 +163,19 @@ class DevicePlan:
         device).
         dtype: the array's dtype.
         in_shape: the array's shape.
+        stamp_base: None (stamps ride on host messages; a host plan's has one).
     """
 
-    __slots__ = ("collective", "dtype", "fields", "in_shape", "ledger_fields", "run", "sig")
+    __slots__ = (
+        "collective",
+        "dtype",
+        "fields",
+        "in_shape",
+        "ledger_fields",
+        "run",
+        "sig",
+        "stamp_base",
+    )
 
     def __init__(self, collective: str, fields: dict[str, Any], run: Callable[[Any], Any]):
         self.collective = collective
@@ -211,9 +185,12 @@ class DevicePlan:
         self.run = run
         self.dtype = fields["dtype"]
         self.in_shape: tuple[int, ...] = fields["shape"]
+        self.stamp_base = None  # device calls carry no stamp
 
 
-def plan_all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any) -> DevicePlan:
+def plan_all_reduce(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, factor: None = None
+) -> DevicePlan:
     """The plan of an ``all_reduce`` of a C-contiguous device array ``x`` (no factor): a
     new result of ``x``'s shape, reduced into out of place, ``avg`` divided after.
 
@@ -226,8 +203,9 @@ def plan_all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any)
         >>> plan.run(np.arange(2.0)), plan.fields["reduce"]
         (array([0., 1.]), <ReduceOp.AVG: 'avg'>)
     """
-    dt, rop, _, prim = _reduction(c, dev, x, op, None)
-    shape, size = tuple(x.shape), c.size
+    dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
+    fields, _ = _sig.all_reduce(c, dt, shape, op, factor)
+    prim, rop = _reduces(c, dev, fields), fields["reduce"]
     # The ndarray constructor: what xp.empty calls, minus 0.5 us of Python on cupy.
     empty, reduce_out, divide = xp.ndarray, dev.all_reduce_out, xp.true_divide
     if rop is ReduceOp.AVG:
@@ -245,37 +223,50 @@ def plan_all_reduce(c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any)
             reduce_out(x, out, prim)
             return out
 
-    return DevicePlan("all_reduce", {"dtype": dt, "shape": shape, "reduce": rop}, run)
+    return DevicePlan("all_reduce", fields, run)
 
 
 def all_gather(
-    c: Call, dev: Communicator, xp: ModuleType, x: Any, axis: Any, tiled: bool
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    axis: Any,
+    tiled: bool,
+    snapshot: bool = False,
 ) -> Lowered:
     """Lower ``all_gather`` of a device array."""
-    dt = check_dtype(x.dtype, c.where)
     shape = tuple(x.shape)
-    if tiled and not shape:
-        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
-    ax = axis_arg(c.where, axis, len(shape) if tiled else len(shape) + 1, "axis")
+    fields = _sig.all_gather(c, check_dtype(x.dtype, c.where), shape, axis, tiled)
+    ax, tile = fields["axis"], fields["tiled"]
     send = _flat(xp, x)
     size = c.size
     recv = xp.empty(size * send.size, dtype=x.dtype)
 
     def body() -> Any:
         dev.all_gather(send, recv)
-        return _unstacked(xp, recv, shape, ax, size, bool(tiled))
+        return unstack(recv, shape, ax, size, tile, xp=xp)
 
-    return body, {"dtype": dt, "shape": shape, "axis": ax, "tiled": bool(tiled)}
+    return body, fields
 
 
 def reduce_scatter(
-    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, axis: Any, tiled: bool, factor: Any
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    op: Any,
+    axis: Any,
+    tiled: bool,
+    factor: Any,
+    snapshot: bool = False,
 ) -> Lowered:
     """Lower ``reduce_scatter`` of a device array: this rank's block of the reduction."""
-    dt, rop, f, prim = _reduction(c, dev, x, op, factor)
-    ax, block = split_blocks(c, x, axis, tiled, "axis")
-    size = c.size
-    send = _rank_major(xp, x if f is None else _scale(xp, x, f), ax, size, tiled).reshape(-1)
+    dt = check_dtype(x.dtype, c.where)
+    fields, f, block = _sig.reduce_scatter(c, dt, tuple(x.shape), op, axis, tiled, factor)
+    prim, rop = _reduces(c, dev, fields), fields["reduce"]
+    size, scaled = c.size, x if f is None else _scale(xp, x, f)
+    send = rank_major(scaled, fields["axis"], size, tiled, xp).reshape(-1)
     recv = xp.empty(block, dtype=x.dtype)
 
     def body() -> Any:
@@ -284,8 +275,7 @@ def reduce_scatter(
             xp.true_divide(recv, size, out=recv)
         return recv
 
-    fp = {"dtype": dt, "shape": tuple(x.shape), "reduce": rop, "axis": ax, "tiled": bool(tiled)}
-    return body, fp
+    return body, fields
 
 
 def all_to_all(
@@ -296,26 +286,31 @@ def all_to_all(
     split_axis: Any,
     concat_axis: Any,
     tiled: bool,
+    snapshot: bool = False,
 ) -> Lowered:
     """Lower ``all_to_all`` of a device array."""
     dt = check_dtype(x.dtype, c.where)
-    split, block = split_blocks(c, x, split_axis, tiled, "split_axis")
-    concat = axis_arg(c.where, concat_axis, x.ndim, "concat_axis")
-    size = c.size
-    send = _rank_major(xp, x, split, size, tiled).reshape(-1)
+    fields, block = _sig.all_to_all(c, dt, tuple(x.shape), split_axis, concat_axis, tiled)
+    concat, tile, size = fields["axis2"], fields["tiled"], c.size
+    send = rank_major(x, fields["axis"], size, tiled, xp).reshape(-1)
     recv = xp.empty(send.size, dtype=x.dtype)
 
     def body() -> Any:
         dev.all_to_all(send, recv)
-        return _unstacked(xp, recv, block, concat, size, bool(tiled))
+        return unstack(recv, block, concat, size, tile, xp=xp)
 
-    shape = tuple(x.shape)
-    fp = {"dtype": dt, "shape": shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
-    return body, fp
+    return body, fields
 
 
 def broadcast(
-    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, shape: Any, dtype: Any
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    root: Any,
+    shape: Any,
+    dtype: Any,
+    snapshot: bool = False,
 ) -> Lowered:
     """Lower ``broadcast`` of a device array (every rank passes one: its shape and dtype
     say what arrives; the root's contents are sent)."""
@@ -328,15 +323,23 @@ def broadcast(
         dev.broadcast(buf.reshape(-1), r)
         return buf
 
-    return body, {"dtype": dt, "shape": tuple(x.shape), "root": r}
+    return body, _sig.broadcast(c, dt, tuple(x.shape), r)
 
 
 def reduce(
-    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, op: Any, factor: Any
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    root: Any,
+    op: Any,
+    factor: Any,
+    snapshot: bool = False,
 ) -> Lowered:
     """Lower ``reduce`` of a device array: the reduction on root, None elsewhere."""
     r = rank_arg(c, root, "root")
-    dt, rop, f, prim = _reduction(c, dev, x, op, factor)
+    fields, f = _sig.reduce(c, check_dtype(x.dtype, c.where), tuple(x.shape), r, op, factor)
+    prim, rop = _reduces(c, dev, fields), fields["reduce"]
     buf = xp.array(x, copy=True, order="C") if f is None else _scale(xp, x, f)
     is_root, size = r == c.rank, c.size
 
@@ -348,37 +351,41 @@ def reduce(
             xp.true_divide(buf, size, out=buf)
         return buf
 
-    return body, {"dtype": dt, "shape": tuple(x.shape), "root": r, "reduce": rop}
+    return body, fields
 
 
-def gather(c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any) -> Lowered:
+def gather(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, snapshot: bool = False
+) -> Lowered:
     """Lower ``gather`` of a device array: every rank's array stacked on root."""
     r = rank_arg(c, root, "root")
-    dt = check_dtype(x.dtype, c.where)
-    send = _flat(xp, x)
     shape = tuple(x.shape)
+    fields = _sig.gather(c, check_dtype(x.dtype, c.where), shape, r)
+    send = _flat(xp, x)
     recv = xp.empty((c.size, *shape), dtype=x.dtype) if r == c.rank else None
 
     def body() -> Any:
         dev.gather(send, None if recv is None else recv.reshape(-1), r)
         return recv
 
-    return body, {"dtype": dt, "shape": shape, "root": r}
+    return body, fields
 
 
 def scatter(
-    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, shape: Any, dtype: Any
+    c: Call,
+    dev: Communicator,
+    xp: ModuleType,
+    x: Any,
+    root: Any,
+    shape: Any,
+    dtype: Any,
+    snapshot: bool = False,
 ) -> Lowered:
     """Lower ``scatter`` of a device array: root's block ``r`` to rank ``r`` (every rank
     passes an array of shape ``(size, *block)``; off the root only its shape counts)."""
     r = rank_arg(c, root, "root")
     dt = check_dtype(x.dtype, c.where)
-    if x.ndim == 0 or x.shape[0] != c.size:
-        raise InvalidArgument(
-            f"{c.where}: x must have shape (group size {c.size}, ...), got {tuple(x.shape)}"
-        )
-    block = tuple(x.shape[1:])
-    agree(c, block, dt, shape, dtype)
+    fields, block = _sig.scatter(c, dt, tuple(x.shape), r, shape, dtype)
     send = _flat(xp, x) if r == c.rank else None
     recv = xp.empty(block, dtype=x.dtype)
 
@@ -386,15 +393,16 @@ def scatter(
         dev.scatter(send, recv.reshape(-1), r)
         return recv
 
-    return body, {"dtype": dt, "shape": block, "root": r}
+    return body, fields
 
 
-def permute(c: Call, dev: Communicator, xp: ModuleType, x: Any, perm: Any) -> Lowered:
+def permute(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, perm: Any, snapshot: bool = False
+) -> Lowered:
     """Lower ``permute`` (``ppermute``) of a device array; a rank nobody sends to gets zeros."""
     pairs = perm_pairs(c, perm)
     dt = check_dtype(x.dtype, c.where)
-    dst = next((d for s, d in pairs if s == c.rank), None)
-    src = next((s for s, d in pairs if d == c.rank), None)
+    fields, dst, src = _sig.permute(c, dt, tuple(x.shape), pairs)
     send = _flat(xp, x)
     recv = (xp.zeros if src is None else xp.empty)(x.shape, dtype=x.dtype)
 
@@ -402,4 +410,4 @@ def permute(c: Call, dev: Communicator, xp: ModuleType, x: Any, perm: Any) -> Lo
         dev.permute(send, dst, recv.reshape(-1), src)
         return recv
 
-    return body, {"dtype": dt, "shape": tuple(x.shape), "args": pairs}
+    return body, fields

@@ -2,20 +2,29 @@
 
 An :class:`Issuer` belongs to one :class:`~meshcomm.group.ProcessGroup` and holds what its
 calls share: the engine, the sequence number, the ledger, the mismatch checks' state, the
-lowering contexts, and the group's one plan cache. Every collective comes through one of
-two doors: :meth:`Issuer.issue` for a lowered call (a body and its fingerprint fields from
-:mod:`meshcomm.group.lower`), and :meth:`Issuer.run_plan` for a call that found (or made, with
-:meth:`Issuer.plan`) the plan of its signature, whose fast case runs the plan's runner
-inline on the claimed engine and whose other cases hand the same runner to
-:meth:`Issuer.issue`. A closed group's engine refuses both.
+lowering contexts, and the group's one plan cache.
+
+The main route of a collective is :meth:`Issuer.call`: ``call -> route -> plan -> run``.
+The collective's description (:mod:`meshcomm.group.collectives`) gives the call's plan key;
+a call with a key runs the cached plan of its signature (made on its first call, with every
+check) with :meth:`Issuer.run_plan` (host) or :meth:`Issuer.run_device_plan` (device); a
+call without one (a ``premul_sum`` factor, a list, a rooted collective, a host copy of a
+device array) is lowered per call, a plan used once, and runs through :meth:`Issuer.issue`.
+
+Every call is **admitted** in one place (:meth:`Issuer._admit`: its sequence number and its
+ledger entry) and a failed one **settled** in one place (:meth:`Issuer._settle_failed`: the
+group poisoned, a mismatch in words, a timeout's hang verdict). The fast case of a plan
+runs inline on the claimed engine between the two; every other case hands the same runner
+to :meth:`Issuer.issue`, which admits it and queues it with its checks around it. A closed
+group's engine refuses both.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator
     >>> from meshcomm.group import ProcessGroup
+    >>> from meshcomm.group.collectives import ALL_REDUCE
     >>> g = ProcessGroup(SelfCommunicator())
     >>> issuer = g._issuer
-    >>> plan = issuer.plan(("all_reduce",), _plans.plan_all_reduce, np.ones(2), "sum")
-    >>> issuer.run_plan(plan, np.ones(2)), issuer.seq
+    >>> issuer.call(ALL_REDUCE, np.ones(2), False, "sum", None), issuer.seq
     (array([1., 1.]), 1)
     >>> g.close()
 """
@@ -39,8 +48,10 @@ from meshcomm.errors import CommError, CommTimeout, MismatchError
 from meshcomm.group import device_lower as _device_lower
 from meshcomm.group import lower as _lower
 from meshcomm.group import plans as _plans
-from meshcomm.group import staging as _staging
+from meshcomm.group import routes
 from meshcomm.group.arrays import ResultPool
+from meshcomm.group.collectives import Collective
+from meshcomm.group.lower import Call
 from meshcomm.work import ProgressEngine, Work
 
 if TYPE_CHECKING:
@@ -50,6 +61,7 @@ __all__ = ["Issuer"]
 
 #: A plan of a host call or of a device call (both kept in one cache per group).
 _AnyPlan = TypeVar("_AnyPlan", _plans.Plan, _device_lower.DevicePlan)
+_Planned = _plans.Plan | _device_lower.DevicePlan
 
 #: At most this many plans per group (a loop calls a few signatures; the oldest goes first).
 _PLANS = 256
@@ -148,8 +160,56 @@ class Issuer:
         self._pending = None
         self.plans.clear()
 
-    # -- lowered calls -------------------------------------------------------------------
-    def enter(self, op: str) -> _lower.Call:
+    # -- the main route --------------------------------------------------------------------
+    def call(self, coll: Collective, x: Any, async_op: bool, *args: Any) -> Any:
+        """Run collective ``coll`` on ``x`` with the method's own ``args`` (in its order):
+        the plan of the call's key where it has one, else lowered per call (a plan used
+        once) on the route :mod:`meshcomm.group.routes` decides."""
+        if type(x) is np.ndarray:
+            key = coll.key(x, *args)
+            if key is not None:
+                try:
+                    plan: _plans.Plan = self.plans[key]  # type: ignore[assignment]
+                except (KeyError, TypeError):  # a new signature (or an unhashable argument)
+                    plan = self._new_plan(key, coll.plan, x, *args)
+                return self.run_plan(plan, x, async_op)
+        return self.lowered(coll, x, async_op, args)
+
+    def call_noted(self, coll: Collective, note: Any, x: Any, async_op: bool, *args: Any) -> Any:
+        """:meth:`call` with ``note`` added to the call's fingerprint fields (the ops layer's
+        words: :mod:`meshcomm.ops._calls`), on its plan (cached under the key and the note)
+        and on a host lowering; a device call carries none."""
+        if type(x) is np.ndarray:
+            key = coll.key(x, *args)
+            if key is not None:
+                plan = self.plan((*key, note), _plans.noted, coll.plan, note, x, *args)
+                return self.run_plan(plan, x, async_op)
+        return self.lowered(coll, x, async_op, args, note)
+
+    def lowered(
+        self, coll: Collective, x: Any, async_op: bool, args: tuple[Any, ...], note: Any = ()
+    ) -> Any:
+        """:meth:`call` past the numpy plans: a device array on the group's device
+        communicator (its plan where it has a key), else lowered onto host buffers (a device
+        array through a host copy, its result handed back to its module)."""
+        name = coll.name
+        on_device = routes.device_route(self._device, x)
+        if on_device is not None and coll.lower_device is not None:
+            dev, xp = on_device
+            key = coll.device_key(x, *args)
+            if key is not None:
+                plan = self.plan(key, coll.device_plan, dev, xp, x, *args)
+                return self.run_device_plan(plan, x, async_op)
+            c = self.enter(name)
+            return self.issue_on_device(name, coll.lower_device(c, dev, xp, x, *args), async_op)
+        c = self.enter(name)
+        host, back = routes.host_route(x)
+        body, fields = coll.lower(c, host, *args, snapshot=bool(async_op))
+        if note:
+            fields = {**(fields or {}), **dict(note)}
+        return self.issue(name, (body, fields), async_op, back)
+
+    def enter(self, op: str) -> Call:
         """Refuse a closed or failed group; return the call context for lowering ``op``."""
         if self._closed or not self.engine.healthy:
             if self._closed:
@@ -159,9 +219,51 @@ class Issuer:
         if call is None:
             engine = self.engine
             where = f"{op}: {self._where}"
-            call = self._calls[op] = _lower.Call(self._comm, engine.pool, where, engine.results)
+            call = self._calls[op] = Call(self._comm, engine.pool, where, engine.results)
         return call
 
+    # -- admitting and settling ------------------------------------------------------------
+    def _admit(
+        self, op: str, dtype: Any, shape: Any, fields: dict[str, Any]
+    ) -> tuple[int, _ledger.Entry | None]:
+        """Admit call ``op``: its sequence number and its ledger entry (the one place
+        either is made)."""
+        self.seq = seq = self.seq + 1
+        return seq, self.book.add(seq, op, dtype, shape, fields)
+
+    def _settle_failed(
+        self,
+        exc: BaseException,
+        op: str,
+        seq: int,
+        entry: _ledger.Entry | None,
+        label: str | None = None,
+    ) -> NoReturn:
+        """Settle call ``seq`` that raised ``exc`` (the one place a failure is settled):
+        where it failed on this thread (``label``: the call in words) the group is poisoned
+        first, with a mismatch put in words; its ledger entry ends failed; a timeout is
+        raised with the hang verdict added."""
+        if label is not None:
+            if isinstance(exc, MismatchError):
+                # In words, for this rank and (through the sticky failure) later calls.
+                worded = self._words(op, seq, entry)(exc)
+                self.engine.poison(worded, label)
+                self.book.end(entry, True)
+                raise worded from None
+            self.engine.poison(exc, label)
+        judged = exc
+        if isinstance(exc, CommTimeout):
+            judged = _call_checks.judged(self._group, exc, op, seq, entry)
+        self.book.end(entry, True)
+        if judged is exc:
+            raise exc
+        if self.debug:
+            raise judged from exc
+        # The verdict says in words what the waiting path's frames would: a newcomer's
+        # report fits a screen without them (MESHCOMM_DEBUG=DETAIL keeps the chain).
+        raise judged.with_traceback(None) from None
+
+    # -- lowered calls ---------------------------------------------------------------------
     def issue(
         self,
         op: str,
@@ -180,7 +282,7 @@ class Issuer:
             on_host = body
 
             def body() -> Any:
-                return _staging.to_device(device, on_host())
+                return routes.give_back(device, on_host())
 
         if fields is None:  # point to point: no sequence number, no fingerprint
             return self.engine.submit(body, f"{op} on {self._where}", bool(async_op))
@@ -191,8 +293,39 @@ class Issuer:
             # is compared (read as the host's, as the planned calls do). A group with a
             # device backend compares it: a device call runs on another communicator.
             on_device = False
-        self.seq = seq = self.seq + 1
+        booked = {**fields, "device": True} if on_device else fields  # for the ledger
+        seq, entry = self._admit(op, fields.get("dtype"), fields.get("shape"), booked)
         label = f"{op} (op #{seq}) on {self._where}"
+        body = self._checked(body, op, seq, fields, on_device, over_device, label, entry)
+        if entry is not None and async_op:
+            body = _call_checks.booked(entry, body)  # it ends on the engine's thread
+        try:
+            result = self.engine.submit(body, label, bool(async_op))
+        except BaseException as exc:
+            # In flight while judged: the others' verdicts find this rank in it meanwhile.
+            self._settle_failed(exc, op, seq, entry)
+        if not async_op:
+            self.book.end(entry, False)
+        elif isinstance(result, Work):
+            # Its own timeout, raised on the engine's thread, gets the verdict in wait().
+            group = self._group
+            result._judge = lambda exc: _call_checks.judged(group, exc, op, seq, entry)
+        return result
+
+    def _checked(
+        self,
+        body: Callable[[], Any],
+        op: str,
+        seq: int,
+        fields: dict[str, Any],
+        on_device: bool,
+        over_device: bool,
+        label: str,
+        entry: _ledger.Entry | None,
+    ) -> Callable[[], Any]:
+        """``body`` of admitted call ``seq`` with the checks it runs with on the engine: the
+        ``DETAIL`` fingerprint check, a trace, its stamp, the first-call check and the step
+        of the running hash where the backend has no stamps."""
         group = self._group
         if self.debug:
             row = _fingerprint.encode(op, seq, on_device=on_device, **fields)
@@ -205,22 +338,16 @@ class Issuer:
         recorder = _trace.active
         if recorder is not None:
             body = _call_checks.traced(recorder, body, group.name, op, seq, fields)
-        book = self.book
-        lowered_fields = fields
-        if on_device:
-            fields = {**fields, "device": True}  # for the ledger
-        entry = book.add(seq, op, fields.get("dtype"), fields.get("shape"), fields)
         if self._stamper is not None and not over_device:
             sig = _fingerprint.signature_of(op, fields, on_device)
             stamp = _fingerprint.stamp(sig, seq)
-            words = self._words(op, seq, entry)
-            body = _call_checks.stamped(body, self._stamper, stamp, words)
+            body = _call_checks.stamped(body, self._stamper, stamp, self._words(op, seq, entry))
         seen = self._device_seen if over_device else self._seen
         history = self.history
         if seen is not None or history is not None:
             sig = _fingerprint.signature_of(op, fields, on_device)
             if seen is not None and sig not in seen:
-                row = _fingerprint.encode(op, seq, on_device=on_device, **lowered_fields)
+                row = _fingerprint.encode(op, seq, on_device=on_device, **fields)
                 body = _call_checks.checked_first(
                     group, self._comm, body, row, sig, seen, op, seq, label, entry
                 )
@@ -228,19 +355,7 @@ class Issuer:
                 if not seq & _HISTORY:  # before the first-call check, on every rank
                     body = self._stepped(body, history, op, seq, label, entry)
                 self.history = hash((history, sig))  # _mpi_history.fold
-        if entry is not None and async_op:
-            body = _call_checks.booked(entry, body)  # it ends on the engine's thread
-        try:
-            result = self.engine.submit(body, label, bool(async_op))
-        except BaseException as exc:
-            # In flight while judged: the others' verdicts find this rank in it meanwhile.
-            self._raise_judged(exc, op, seq, entry)
-        if not async_op:
-            book.end(entry, False)
-        elif isinstance(result, Work):
-            # Its own timeout, raised on the engine's thread, gets the verdict in wait().
-            result._judge = lambda exc: _call_checks.judged(group, exc, op, seq, entry)
-        return result
+        return body
 
     def issue_on_device(self, op: str, lowered: _lower.Lowered, async_op: bool) -> Any:
         """Run a call lowered by :mod:`meshcomm.group.device_lower` on the caller's thread.
@@ -261,50 +376,7 @@ class Issuer:
         probe = None if device is None else device.completion_probe()
         return Work.completed(f"{op} on {self._where}", result, probe)
 
-    def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
-        """Run a device call's ``plan`` on ``x`` (a C-contiguous device array of its
-        signature) on the caller's thread, as :meth:`issue_on_device` runs a lowered one.
-
-        The fast case takes the claimed engine with only the sequence number and the
-        ledger entry around the runner (no stamp: device calls carry none). A call that
-        needs more (a ``DETAIL`` or first-call check, a trace) or finds the engine taken
-        goes through :meth:`issue_on_device` with the same runner.
-        """
-        engine = self.engine
-        seen = self._device_seen
-        history = self.history
-        if (
-            self.debug
-            or _trace.active is not None
-            or (seen is not None and plan.sig not in seen)
-            or not engine.claim()
-        ):
-            run = plan.run
-
-            def body() -> Any:
-                return run(x)
-
-            return self.issue_on_device(plan.collective, (body, plan.fields), async_op)
-        self.seq = seq = self.seq + 1
-        name, book = plan.collective, self.book
-        entry = book.add(seq, name, plan.dtype, plan.in_shape, plan.ledger_fields)
-        try:
-            if history is not None:
-                if not seq & _HISTORY:  # nothing in flight: the engine is claimed
-                    self._step(history, name, seq)
-                self.history = hash((history, plan.sig))  # _mpi_history.fold, inline
-            result = plan.run(x)
-            book.end(entry, False)
-        except BaseException as exc:
-            engine.poison(exc, f"{name} (op #{seq}) on {self._where}")
-            self._raise_judged(exc, name, seq, entry)
-        finally:
-            engine.release()
-        if async_op:
-            return self._device_work(name, result)
-        return result
-
-    # -- planned calls -------------------------------------------------------------------
+    # -- planned calls ---------------------------------------------------------------------
     def plan(self, key: tuple[Any, ...], make: Callable[..., _AnyPlan], *args: Any) -> _AnyPlan:
         """The plan of the call signature ``key`` (its first item the collective's name):
         the group's cached one, else a new one, ``make(call, *args)`` (every check of the
@@ -329,6 +401,32 @@ class Issuer:
             plans[key] = plan
         return plan
 
+    def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
+        """Run a device call's ``plan`` on ``x`` (a C-contiguous device array of its
+        signature) on the caller's thread, as :meth:`issue_on_device` runs a lowered one.
+
+        The fast case runs it inline (:meth:`_inline`; no stamp: device calls carry none).
+        A call that needs more (a ``DETAIL`` or first-call check, a trace) or finds the
+        engine taken goes through :meth:`issue_on_device` with the same runner.
+        """
+        seen = self._device_seen
+        if (
+            self.debug
+            or _trace.active is not None
+            or (seen is not None and plan.sig not in seen)
+            or not self.engine.claim()
+        ):
+            run = plan.run
+
+            def body() -> Any:
+                return run(x)
+
+            return self.issue_on_device(plan.collective, (body, plan.fields), async_op)
+        result = self._inline(plan, plan.run, x, None)
+        if async_op:
+            return self._device_work(plan.collective, result)
+        return result
+
     def run_plan(
         self,
         plan: _plans.Plan,
@@ -347,16 +445,11 @@ class Issuer:
         asynchronous call reads its own copy (the caller may change ``x`` meanwhile); both
         go through :meth:`_run_plan_on_copy`.
 
-        The fast case runs it here, on the claimed engine, with only the ledger entry and
-        the stamp around it, or where the backend has no stamps the running hash of the
-        signatures (:mod:`meshcomm.diagnostics.mpi_history`; both computed inline: a function call
-        is
-        a tenth of what this costs; at 8 bytes MPI takes about 1 us, and with more ranks
-        than cores every layer here costs several times its own time). A call that needs
-        more (a ``DETAIL`` or first-call check, a trace) or finds the engine taken (queued
-        work, another thread, a failed or closed group) hands the same runner to
-        :meth:`issue`; every 128th call first steps the comparison of the running hash
-        (:meth:`_step`; the claimed engine has nothing in flight).
+        The fast case runs it inline (:meth:`_inline`: a function call is a tenth of what
+        this costs; at 8 bytes MPI takes about 1 us, and with more ranks than cores every
+        layer here costs several times its own time). A call that needs more (a ``DETAIL``
+        or first-call check, a trace) or finds the engine taken (queued work, another
+        thread, a failed or closed group) hands the same runner to :meth:`issue`.
         """
         engine, dtype, run = self.engine, plan.dtype, plan.run
         if out is not None:
@@ -375,7 +468,7 @@ class Issuer:
             out = np.empty(plan.shape, dtype)
         else:
             out = engine.results.take(dtype, plan.count).reshape(plan.shape)
-        seen, history = self._seen, self.history
+        seen = self._seen
         if (
             self.debug
             or _trace.active is not None
@@ -388,31 +481,33 @@ class Issuer:
                 return out
 
             return self.issue(plan.collective, (body, plan.fields), False)
-        self.seq = seq = self.seq + 1
-        name, book = plan.collective, self.book
-        entry = book.add(seq, name, dtype, plan.in_shape, plan.fields)
-        stamper = self._stamper
-        if stamper is not None:
+        return self._inline(plan, run, x, out)
+
+    def _inline(self, plan: _Planned, run: Callable[..., Any], x: Any, out: Any) -> Any:
+        """Run a planned call here, on the engine this thread claimed: admitted, its stamp
+        set (a host plan's, where the backend carries stamps), the running hash of the
+        signatures kept inline where it has none (every 128th call first steps its
+        comparison, :meth:`_step`: the claimed engine has nothing in flight), then
+        ``run(x, out)`` (``out`` None: ``run(x)``, a device plan's, returns the result)."""
+        name = plan.collective
+        seq, entry = self._admit(name, plan.dtype, plan.in_shape, plan.ledger_fields)
+        stamper, history = self._stamper, self.history
+        if stamper is not None and plan.stamp_base is not None:
             stamper.stamp = plan.stamp_base | (seq & _SEQ_MASK)
         try:
             if history is not None:
-                if not seq & _HISTORY:  # nothing in flight: the engine is claimed
+                if not seq & _HISTORY:
                     self._step(history, name, seq)
                 self.history = hash((history, plan.sig))  # _mpi_history.fold, inline
-            run(x, out)
-            book.end(entry, False)
+            if out is None:
+                out = run(x)
+            else:
+                run(x, out)
+            self.book.end(entry, False)
         except BaseException as exc:
-            label = f"{name} (op #{seq}) on {self._where}"
-            if isinstance(exc, MismatchError):
-                # In words, for this rank and (through the sticky failure) later calls.
-                worded = self._words(name, seq, entry)(exc)
-                engine.poison(worded, label)
-                book.end(entry, True)
-                raise worded from None
-            engine.poison(exc, label)
-            self._raise_judged(exc, name, seq, entry)
+            self._settle_failed(exc, name, seq, entry, f"{name} (op #{seq}) on {self._where}")
         finally:
-            engine.release()
+            self.engine.release()
         return out
 
     def _run_plan_on_copy(self, plan: _plans.Plan, x: np.ndarray, async_op: bool) -> Any:
@@ -478,8 +573,7 @@ class Issuer:
             engine.check(label)  # an earlier asynchronous call failed
             self._step(history, op, seq)
         except BaseException as exc:
-            engine.poison(exc, label)
-            self._raise_judged(exc, op, seq, entry)
+            self._settle_failed(exc, op, seq, entry, label)
         return body
 
     def _step(self, history: int, op: str, seq: int) -> None:
@@ -497,23 +591,7 @@ class Issuer:
                 f"{op} (op #{seq}) on {self._where}, comparing the calls before op #{upto}: {exc}"
             ) from exc
 
-    # -- failures ------------------------------------------------------------------------
-    def _raise_judged(
-        self, exc: BaseException, op: str, seq: int, entry: _ledger.Entry | None
-    ) -> NoReturn:
-        """Raise ``exc`` of call ``seq``, a timeout with the hang verdict added."""
-        judged = exc
-        if isinstance(exc, CommTimeout):
-            judged = _call_checks.judged(self._group, exc, op, seq, entry)
-        self.book.end(entry, True)
-        if judged is exc:
-            raise exc
-        if self.debug:
-            raise judged from exc
-        # The verdict says in words what the waiting path's frames would: a newcomer's
-        # report fits a screen without them (MESHCOMM_DEBUG=DETAIL keeps the chain).
-        raise judged.with_traceback(None) from None
-
+    # -- words ----------------------------------------------------------------------------
     def _words(
         self, op: str, seq: int, entry: _ledger.Entry | None
     ) -> Callable[[MismatchError], MismatchError]:

@@ -13,9 +13,12 @@ the world's :class:`~meshcomm.group.arrays.ResultPool`, which recycles large res
 caller has dropped (no fresh page-faulted memory per call in a loop). Send-side snapshots
 that never escape come from the world's :class:`~meshcomm.group.arrays.ScratchPool`.
 
-Plans (:mod:`meshcomm.group.plans`) lower a call *signature* once with the checks of this
-module; a group's calls on numpy arrays take them, and the functions here serve the rest
-(``premul_sum``, lists, GPU arrays).
+The argument checks and fingerprint fields of every collective are
+:mod:`meshcomm.group.signatures`' (the names below re-export its checks). Plans
+(:mod:`meshcomm.group.plans`) lower a call *signature* once with the same checks; a
+group's calls on numpy arrays take them, and the functions here serve the rest
+(``premul_sum``, lists, host copies of device arrays); which serves a call is decided
+in one place, :mod:`meshcomm.group.collectives`.
 
 Cost: the per-call functions run on every call, so the common case is kept to plain
 attribute, tuple and dict operations: dtypes and (op, dtype) pairs already accepted once
@@ -33,26 +36,33 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from meshcomm.backends.base import Communicator, Runner
 from meshcomm.errors import InvalidArgument
-from meshcomm.group.arrays import (
-    ResultPool,
-    ScratchPool,
-    as_array,
-    blocks_view,
-    check_dtype,
-    copy_into,
-    dtype_name,
-    normalize_shape,
-    unstack,
+from meshcomm.group import signatures as _sig
+from meshcomm.group.arrays import blocks_view, copy_into, unstack
+from meshcomm.group.signatures import (
+    COMPOSED,
+    Call,
+    agree,
+    axis_arg,
+    check_out,
+    input_array,
+    int64_arg,
+    int_arg,
+    perm_pairs,
+    primitive,
+    rank_arg,
+    reduce_op,
+    reduce_op_and_factor,
+    spec,
+    split_blocks,
+    tag_arg,
 )
-from meshcomm.reduction import ReduceOp, check_op_dtype, parse_op
+from meshcomm.reduction import ReduceOp
 
 __all__ = [
     "COMPOSED",
@@ -61,21 +71,22 @@ __all__ = [
     "agree",
     "all_gather",
     "all_reduce",
-    "axis_arg",
     "all_to_all",
+    "axis_arg",
     "barrier",
     "broadcast",
     "check_out",
     "gather",
     "input_array",
     "int64_arg",
+    "int_arg",
     "perm_pairs",
     "permute",
     "rank_arg",
-    "reduce_op",
-    "reduce_op_and_factor",
     "recv",
     "reduce",
+    "reduce_op",
+    "reduce_op_and_factor",
     "reduce_scatter",
     "scatter",
     "send",
@@ -86,241 +97,12 @@ __all__ = [
 #: What a lowering returns: the body to run in order, and the debug fingerprint fields.
 Lowered = tuple[Callable[[], Any], dict[str, Any] | None]
 
-#: Reduce ops made of a primitive one (SUM) and arithmetic around it.
-COMPOSED = (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
-
-
-class Call:
-    """What lowering one call needs: the communicator, the world's pools, and ``where``.
-
-    ``where`` prefixes every error message, e.g. ``"all_reduce: rank 3 in group 'world'
-    (size 4)"``. A group makes one Call per operation name and reuses it.
-
-    Attributes:
-        comm: the group's communicator.
-        pool: scratch for send-side snapshots.
-        results: where result buffers come from.
-        where: the error-message prefix.
-        rank: ``comm.rank``.
-        size: ``comm.size``.
-        runners: the runners its plans made, by (dtype, op or root): a signature that
-            differs only in shape reuses one.
-    """
-
-    __slots__ = ("comm", "pool", "rank", "results", "runners", "size", "where")
-
-    def __init__(
-        self,
-        comm: Communicator,
-        pool: ScratchPool,
-        where: str,
-        results: ResultPool | None = None,
-    ) -> None:
-        self.comm = comm
-        self.pool = pool
-        self.where = where
-        self.results = ResultPool() if results is None else results
-        self.rank = comm.rank
-        self.size = comm.size
-        self.runners: dict[tuple[np.dtype, Any], Runner] = {}
-
 
 def _prod(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
-
-
-# -- argument checks -----------------------------------------------------------------------
-def int_arg(where: str, value: Any, name: str) -> int:
-    """Return ``value`` as an int (bool is refused), or raise TypeError."""
-    if isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}") from None
-
-
-def int64_arg(where: str, value: Any, name: str) -> int:
-    """Return ``value`` as an int that fits int64 (split colors and keys)."""
-    v = int_arg(where, value, name)
-    if not -(2**63) <= v < 2**63:
-        raise InvalidArgument(f"{where}: {name} must fit in int64, got {value!r}")
-    return v
-
-
-def rank_arg(c: Call, value: Any, name: str) -> int:
-    """Return a group rank (root, dst, src) in ``[0, size)``."""
-    r = int_arg(c.where, value, name)
-    if not 0 <= r < c.size:
-        raise InvalidArgument(f"{c.where}: {name} must be in [0, {c.size}), got {value!r}")
-    return r
-
-
-def axis_arg(where: str, axis: Any, ndim: int, name: str) -> int:
-    a = int_arg(where, axis, name)
-    if not -ndim <= a < ndim:
-        raise InvalidArgument(
-            f"{where}: {name}={axis} is out of range for {ndim} axes (valid: {-ndim}..{ndim - 1})"
-        )
-    return a % ndim
-
-
-def tag_arg(where: str, tag: Any) -> int:
-    """``tag`` as an int in ``[0, 2**31)``; InvalidArgument otherwise."""
-    t = int_arg(where, tag, "tag")
-    if not 0 <= t < 2**31:
-        raise InvalidArgument(f"{where}: tag must be in [0, 2**31), got {tag!r}")
-    return t
-
-
-def input_array(c: Call, x: Any) -> tuple[np.ndarray, np.dtype]:
-    arr = as_array(x, c.where)
-    return arr, check_dtype(arr.dtype, c.where)
-
-
-def check_out(c: Call, x: Any, out: Any) -> None:
-    """Check a result buffer ``out`` for input ``x``: both numpy arrays of one shape and
-    dtype (native byte order), ``out`` writeable and C-contiguous, and either ``x`` itself
-    (in place) or apart from it.
-
-    Raises:
-        InvalidArgument: naming this rank and group, and both values.
-
-    Example:
-        >>> from meshcomm.backends.local import SelfCommunicator
-        >>> from meshcomm.group.arrays import ScratchPool
-        >>> c = Call(SelfCommunicator(), ScratchPool(), "all_reduce: rank 0")
-        >>> try:
-        ...     check_out(c, np.ones(3), np.empty(2))
-        ... except InvalidArgument as exc:
-        ...     print(str(exc).split("; ")[0])
-        all_reduce: rank 0: out has shape (2,) and dtype float64
-    """
-    # Exactly ndarray: the runner views ``out`` flat and writes through it, which a
-    # subclass can redefine (np.matrix stays 2-D) or make a lie (a masked array's mask).
-    if type(x) is not np.ndarray or type(out) is not np.ndarray:
-        raise InvalidArgument(
-            f"{c.where}: out= takes plain numpy arrays (x and out); got x of type "
-            f"{type(x).__name__} and out of type {type(out).__name__}; a masked array is "
-            "not supported, any other ndarray subclass passes as np.asarray(...)"
-        )
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise InvalidArgument(
-            f"{c.where}: out has shape {out.shape} and dtype {out.dtype}; x has shape "
-            f"{x.shape} and dtype {x.dtype}"
-        )
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidArgument(
-            f"{c.where}: out must be writeable and C-contiguous; got strides {out.strides}, "
-            f"writeable={out.flags.writeable}"
-        )
-    if not out.dtype.isnative:
-        raise InvalidArgument(f"{c.where}: out= takes native byte order, got dtype {out.dtype.str}")
-    if out is not x and np.may_share_memory(x, out):
-        same = x.ctypes.data == out.ctypes.data and x.strides == out.strides
-        if not same:
-            raise InvalidArgument(
-                f"{c.where}: out overlaps x without being the same memory (x strides "
-                f"{x.strides}, out strides {out.strides})"
-            )
-
-
-# (op as the caller spelled it, dtype) -> ReduceOp, for pairs already accepted (no factor).
-# Bounded: a few spellings of a dozen ops times the supported dtypes.
-_OP_CACHE: dict[tuple[Any, np.dtype], ReduceOp] = {}
-_OP_CACHE_MAX = 1024
-
-
-def reduce_op(where: str, op: Any, dtype: np.dtype) -> ReduceOp:
-    """Parse ``op`` and check it is defined for ``dtype``; cached once accepted.
-
-    Raises:
-        InvalidArgument: not a reduce op.
-        TypeError: the op is undefined for ``dtype``.
-
-    Example:
-        >>> reduce_op("rank 0", "SUM", np.dtype(np.float32))
-        <ReduceOp.SUM: 'sum'>
-    """
-    hashable = True
-    try:
-        hit = _OP_CACHE.get((op, dtype))
-    except TypeError:  # an unhashable op: the slow path says what is wrong with it
-        hit, hashable = None, False
-    if hit is not None:
-        return hit
-    try:
-        rop = parse_op(op)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"{where}: {exc}") from None
-    try:
-        check_op_dtype(rop, dtype)
-    except TypeError as exc:
-        raise TypeError(f"{where}: {exc}") from None
-    if hashable and len(_OP_CACHE) < _OP_CACHE_MAX:
-        _OP_CACHE[(op, dtype)] = rop
-    return rop
-
-
-def reduce_op_and_factor(c: Call, op: Any, dtype: np.dtype, factor: Any) -> tuple[ReduceOp, Any]:
-    """Parse ``op``, check it against ``dtype``, and return ``factor`` in ``dtype``."""
-    rop = reduce_op(c.where, op, dtype)
-    if rop is not ReduceOp.PREMUL_SUM:
-        if factor is not None:
-            raise InvalidArgument(
-                f"{c.where}: factor= is only for 'premul_sum', not for {rop.value!r}"
-            )
-        return rop, None
-    if factor is None:
-        raise InvalidArgument(f"{c.where}: 'premul_sum' needs factor=")
-    f = np.asarray(factor)
-    if f.ndim != 0 or f.dtype.kind not in "biufc":
-        raise InvalidArgument(f"{c.where}: factor must be a number, got {factor!r}")
-    if f.dtype.kind == "c" and dtype.kind != "c":
-        raise TypeError(f"{c.where}: complex factor {factor!r} for {dtype_name(dtype)} data")
-    return rop, f.astype(dtype)
-
-
-def _spec(c: Call, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
-    if shape is None or dtype is None:
-        raise InvalidArgument(
-            f"{c.where}: pass an array, or shape= and dtype= (got shape={shape!r}, dtype={dtype!r})"
-        )
-    return normalize_shape(shape, c.where), check_dtype(dtype, c.where)
-
-
-def agree(c: Call, arr_shape: tuple[int, ...], dt: np.dtype, shape: Any, dtype: Any) -> None:
-    if shape is not None and normalize_shape(shape, c.where) != arr_shape:
-        raise InvalidArgument(f"{c.where}: shape={shape!r} disagrees with the array's {arr_shape}")
-    if dtype is not None and check_dtype(dtype, c.where) != dt:
-        raise InvalidArgument(
-            f"{c.where}: dtype={dtype!r} disagrees with the array's {dtype_name(dt)}"
-        )
-
-
-def split_blocks(
-    c: Call, arr: np.ndarray, axis: Any, tiled: bool, name: str
-) -> tuple[int, tuple[int, ...]]:
-    """Check ``arr`` splits into ``size`` blocks along ``axis``; return it and the block shape."""
-    if arr.ndim == 0:
-        raise InvalidArgument(f"{c.where}: needs an array with at least 1 axis, got a 0-d array")
-    ax = axis_arg(c.where, axis, arr.ndim, name)
-    n = arr.shape[ax]
-    if not tiled and n != c.size:
-        raise InvalidArgument(
-            f"{c.where}: not tiled, x.shape[{name}={ax}] must equal the group size {c.size}, "
-            f"got {n} (x.shape={arr.shape})"
-        )
-    if tiled and n % c.size:
-        raise InvalidArgument(
-            f"{c.where}: tiled, x.shape[{name}={ax}] must be divisible by the group size "
-            f"{c.size}, got {n} (x.shape={arr.shape})"
-        )
-    block = arr.shape[:ax] + ((n // c.size,) if tiled else ()) + arr.shape[ax + 1 :]
-    return ax, block
 
 
 def _send_side(
@@ -341,28 +123,6 @@ def _send_side(
     return base, send
 
 
-def perm_pairs(c: Call, perm: Any) -> tuple[tuple[int, int], ...]:
-    try:
-        pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
-    except (TypeError, ValueError):
-        raise InvalidArgument(
-            f"{c.where}: perm must be a sequence of (src, dst) int pairs, got {perm!r}"
-        ) from None
-    sources: set[int] = set()
-    dests: set[int] = set()
-    for s, d in pairs:
-        for name, v in (("source", s), ("destination", d)):
-            if not 0 <= v < c.size:
-                raise InvalidArgument(f"{c.where}: perm {name} {v} is out of range [0, {c.size})")
-        if s in sources:
-            raise InvalidArgument(f"{c.where}: rank {s} appears twice as a source in {perm!r}")
-        if d in dests:
-            raise InvalidArgument(f"{c.where}: rank {d} appears twice as a destination in {perm!r}")
-        sources.add(s)
-        dests.add(d)
-    return pairs
-
-
 # -- collectives ---------------------------------------------------------------------------
 def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> Lowered:
     """Lower ``all_reduce``; ``snapshot=False`` (a synchronous call) may read ``x`` in place.
@@ -375,11 +135,12 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
     and reduced in place.
     """
     arr, dt = input_array(c, x)
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
     shape = arr.shape
+    fields, f = _sig.all_reduce(c, dt, shape, op, factor)
+    rop = fields["reduce"]
     buf = c.results.take(dt, arr.size)
     out = buf if len(shape) == 1 else buf.reshape(shape)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    prim = primitive(rop)
     comm, size = c.comm, c.size
     if not snapshot and f is None and arr.flags.c_contiguous and arr.dtype == dt:
         send = arr.reshape(-1)
@@ -390,7 +151,7 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
                 np.true_divide(buf, size, out=buf)
             return out
 
-        return body_out_of_place, {"dtype": dt, "shape": shape, "reduce": rop}
+        return body_out_of_place, fields
 
     if f is None:
         np.copyto(out, arr)  # the snapshot becomes the result
@@ -403,14 +164,14 @@ def all_reduce(c: Call, x: Any, op: Any, factor: Any, snapshot: bool = True) -> 
             np.true_divide(buf, size, out=buf)
         return out
 
-    return body, {"dtype": dt, "shape": shape, "reduce": rop}
+    return body, fields
 
 
 def all_gather(c: Call, x: Any, axis: Any, tiled: bool, snapshot: bool = True) -> Lowered:
+    """Lower ``all_gather``: received rank-major, then unstacked at ``axis``."""
     arr, dt = input_array(c, x)
-    if tiled and arr.ndim == 0:
-        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
-    ax = axis_arg(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
+    fields = _sig.all_gather(c, dt, arr.shape, axis, tiled)
+    ax, tile = fields["axis"], fields["tiled"]
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base, send = _send_side(c, arr, dt, snapshot)
     results = c.results
@@ -420,26 +181,27 @@ def all_gather(c: Call, x: Any, axis: Any, tiled: bool, snapshot: bool = True) -
         comm.all_gather(send.reshape(-1), recv)
         if base is not None:
             pool.give(base)
-        return unstack(recv, shape, ax, size, bool(tiled), results.take)
+        return unstack(recv, shape, ax, size, tile, results.take)
 
-    return body, {"dtype": dt, "shape": shape, "axis": ax, "tiled": bool(tiled)}
+    return body, fields
 
 
 def reduce_scatter(
     c: Call, x: Any, op: Any, axis: Any, tiled: bool, factor: Any, snapshot: bool = True
 ) -> Lowered:
+    """Lower ``reduce_scatter``: this rank's block of the reduction."""
     arr, dt = input_array(c, x)
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
-    ax, block = split_blocks(c, arr, axis, tiled, "axis")
+    fields, f, block = _sig.reduce_scatter(c, dt, arr.shape, op, axis, tiled, factor)
+    rop = fields["reduce"]
     comm, pool, size = c.comm, c.pool, c.size
     # Block r (this rank's share) is contiguous in the snapshot and comes back in the
     # result's own layout, so nothing is copied after the communication.
-    view = blocks_view(arr, ax, size, tiled)
+    view = blocks_view(arr, fields["axis"], size, tiled)
     base, send = _send_side(c, view, dt, snapshot or f is not None)
     if f is not None:
         np.multiply(send, f, out=send)
     recv = c.results.take(dt, _prod(block))
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    prim = primitive(rop)
 
     def body() -> np.ndarray:
         comm.reduce_scatter(send.reshape(-1), recv, prim)
@@ -449,18 +211,19 @@ def reduce_scatter(
             np.true_divide(recv, size, out=recv)
         return recv.reshape(block)
 
-    fp = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
-    return body, fp
+    return body, fields
 
 
 def all_to_all(
     c: Call, x: Any, split_axis: Any, concat_axis: Any, tiled: bool, snapshot: bool = True
 ) -> Lowered:
+    """Lower ``all_to_all``: sent rank-major along the split axis, unstacked at the concat
+    axis."""
     arr, dt = input_array(c, x)
-    split, block = split_blocks(c, arr, split_axis, tiled, "split_axis")
-    concat = axis_arg(c.where, concat_axis, arr.ndim, "concat_axis")
+    fields, block = _sig.all_to_all(c, dt, arr.shape, split_axis, concat_axis, tiled)
+    concat, tile = fields["axis2"], fields["tiled"]
     comm, pool, size = c.comm, c.pool, c.size
-    view = blocks_view(arr, split, size, tiled)
+    view = blocks_view(arr, fields["axis"], size, tiled)
     base, send = _send_side(c, view, dt, snapshot)
     results = c.results
     recv = results.take(dt, size * _prod(block))
@@ -469,10 +232,9 @@ def all_to_all(
         comm.all_to_all(send.reshape(-1), recv)
         if base is not None:
             pool.give(base)
-        return unstack(recv, block, concat, size, bool(tiled), results.take)
+        return unstack(recv, block, concat, size, tile, results.take)
 
-    fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
-    return body, fp
+    return body, fields
 
 
 def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool = True) -> Lowered:
@@ -497,7 +259,8 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
     elif r == c.rank:
         raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
     else:
-        out_shape, dt = _spec(c, shape, dtype)
+        out_shape, dt = spec(c, shape, dtype)
+    fields = _sig.broadcast(c, dt, out_shape, r)
     result = c.results.take(dt, _prod(out_shape)) if buf is None else buf
     comm = c.comm
     if send is not None:
@@ -506,19 +269,22 @@ def broadcast(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool
             comm.broadcast_out(send, result, r)
             return result.reshape(out_shape)
 
-        return body_out_of_place, {"dtype": dt, "shape": out_shape, "root": r}
+        return body_out_of_place, fields
 
     def body() -> np.ndarray:
         comm.broadcast(result, r)
         return result.reshape(out_shape)
 
-    return body, {"dtype": dt, "shape": out_shape, "root": r}
+    return body, fields
 
 
-def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
+def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any, snapshot: bool = True) -> Lowered:
+    """Lower ``reduce``: the reduction on root, None elsewhere (the input is always copied:
+    the wire reduces in place)."""
     r = rank_arg(c, root, "root")
     arr, dt = input_array(c, x)
-    rop, f = reduce_op_and_factor(c, op, dt, factor)
+    fields, f = _sig.reduce(c, dt, arr.shape, r, op, factor)
+    rop = fields["reduce"]
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base: np.ndarray | None = None
     if r == c.rank:
@@ -528,7 +294,7 @@ def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
     copy_into(buf, arr)
     if f is not None:
         np.multiply(buf, f, out=buf)
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    prim = primitive(rop)
 
     def body() -> np.ndarray | None:
         comm.reduce(buf, r, prim)
@@ -539,12 +305,14 @@ def reduce(c: Call, x: Any, root: Any, op: Any, factor: Any) -> Lowered:
             np.true_divide(buf, size, out=buf)
         return buf.reshape(shape)
 
-    return body, {"dtype": dt, "shape": shape, "root": r, "reduce": rop}
+    return body, fields
 
 
 def gather(c: Call, x: Any, root: Any, snapshot: bool = True) -> Lowered:
+    """Lower ``gather``: every rank's array stacked on root, None elsewhere."""
     r = rank_arg(c, root, "root")
     arr, dt = input_array(c, x)
+    fields = _sig.gather(c, dt, arr.shape, r)
     comm, pool, size, shape = c.comm, c.pool, c.size, arr.shape
     base, send = _send_side(c, arr, dt, snapshot)
     recv = c.results.take(dt, size * arr.size) if r == c.rank else None
@@ -555,28 +323,25 @@ def gather(c: Call, x: Any, root: Any, snapshot: bool = True) -> Lowered:
             pool.give(base)
         return None if recv is None else recv.reshape((size, *shape))
 
-    return body, {"dtype": dt, "shape": shape, "root": r}
+    return body, fields
 
 
 def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool = True) -> Lowered:
+    """Lower ``scatter``: root's block ``r`` to rank ``r``."""
     r = rank_arg(c, root, "root")
     comm, pool = c.comm, c.pool
     base: np.ndarray | None = None
     send: np.ndarray | None = None
     if x is not None:
         arr, dt = input_array(c, x)
-        if arr.ndim == 0 or arr.shape[0] != c.size:
-            raise InvalidArgument(
-                f"{c.where}: x must have shape (group size {c.size}, ...), got {arr.shape}"
-            )
-        block = arr.shape[1:]
-        agree(c, block, dt, shape, dtype)
+        fields, block = _sig.scatter(c, dt, arr.shape, r, shape, dtype)
         if r == c.rank:
             base, send = _send_side(c, arr, dt, snapshot)
     elif r == c.rank:
         raise InvalidArgument(f"{c.where}: the root (rank {r}) must pass the array, got None")
     else:
-        block, dt = _spec(c, shape, dtype)
+        block, dt = spec(c, shape, dtype)
+        fields = _sig.rooted(c, dt, block, r)
     recv = c.results.take(dt, _prod(block))
 
     def body() -> np.ndarray:
@@ -585,14 +350,14 @@ def scatter(c: Call, x: Any, root: Any, shape: Any, dtype: Any, snapshot: bool =
             pool.give(base)
         return recv.reshape(block)
 
-    return body, {"dtype": dt, "shape": block, "root": r}
+    return body, fields
 
 
 def permute(c: Call, x: Any, perm: Any, snapshot: bool = True) -> Lowered:
+    """Lower ``permute`` (``ppermute``); a rank nobody sends to gets zeros."""
     pairs = perm_pairs(c, perm)
     arr, dt = input_array(c, x)
-    dst = next((d for s, d in pairs if s == c.rank), None)
-    src = next((s for s, d in pairs if d == c.rank), None)
+    fields, dst, src = _sig.permute(c, dt, arr.shape, pairs)
     comm, pool, shape = c.comm, c.pool, arr.shape
     base: np.ndarray | None = None
     send = np.empty(0, dtype=dt)
@@ -608,14 +373,14 @@ def permute(c: Call, x: Any, perm: Any, snapshot: bool = True) -> Lowered:
             pool.give(base)
         return recv.reshape(shape)
 
-    return body, {"dtype": dt, "shape": shape, "args": pairs}
+    return body, fields
 
 
 def barrier(c: Call) -> Lowered:
+    """Lower ``barrier``: the communicator's, no fields beyond the name."""
     return c.comm.barrier, {}
 
 
-# -- plans ---------------------------------------------------------------------------------
 # -- point to point ------------------------------------------------------------------------
 def send(c: Call, x: Any, dst: Any, tag: Any, snapshot: bool = True) -> Lowered:
     d = rank_arg(c, dst, "dst")

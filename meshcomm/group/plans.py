@@ -39,17 +39,9 @@ import numpy as np
 
 from meshcomm.backends.base import Communicator, Runner
 from meshcomm.diagnostics import fingerprint as _fingerprint
-from meshcomm.errors import InvalidArgument
-from meshcomm.group.arrays import ScratchPool, blocks_view, unstack
-from meshcomm.group.lower import (
-    COMPOSED,
-    Call,
-    axis_arg,
-    input_array,
-    rank_arg,
-    reduce_op_and_factor,
-    split_blocks,
-)
+from meshcomm.group import signatures as _sig
+from meshcomm.group.arrays import ScratchPool, blocks_view, joined_shape, unstack
+from meshcomm.group.signatures import COMPOSED, Call, input_array, primitive, rank_arg
 from meshcomm.reduction import ReduceOp
 
 __all__ = [
@@ -84,6 +76,7 @@ class Plan:
         dtype: the arrays' dtype.
         in_shape: the input's shape (the key's: read here, not off each call's array).
         fields: the call's fingerprint fields (the ledger, the mismatch checks).
+        ledger_fields: ``fields`` (what the ledger keeps; a device plan's says "device").
         sig: the call's signature (:func:`~meshcomm.diagnostics.fingerprint.signature_of` of
             ``fields``), the same :mod:`meshcomm.group.lower`'s route computes.
         stamp_base: ``sig`` in a stamp's high bits: a call's stamp is ``stamp_base | seq``
@@ -104,6 +97,7 @@ class Plan:
         "dtype",
         "fields",
         "in_shape",
+        "ledger_fields",
         "nbytes",
         "run",
         "run_in_place",
@@ -121,7 +115,7 @@ class Plan:
         run_in_place: Callable[[np.ndarray], None] | None = None,
     ) -> None:
         self.collective = collective
-        self.fields = fields
+        self.fields = self.ledger_fields = fields
         self.run = run
         self.run_in_place = run_in_place
         self.shape = shape
@@ -193,20 +187,11 @@ def _new_runner(comm: Communicator, collective: str, dtype: np.dtype, arg: Any) 
     return run_flat_with
 
 
-def _joined(block: tuple[int, ...], axis: int, size: int, tiled: Any) -> tuple[int, ...]:
-    """The shape of ``size`` blocks of shape ``block`` put together at ``axis``: stacked
-    there (a new axis), or concatenated along it when ``tiled`` (what :func:`unstack`
-    returns)."""
-    if tiled:
-        return (*block[:axis], size * block[axis], *block[axis + 1 :])
-    return (*block[:axis], size, *block[axis:])
-
-
-def plan_all_reduce(c: Call, x: np.ndarray, op: Any) -> Plan:
-    """The plan of an ``all_reduce`` of ``x`` (no factor)."""
+def plan_all_reduce(c: Call, x: np.ndarray, op: Any, factor: None = None) -> Plan:
+    """The plan of an ``all_reduce`` of ``x`` (no factor: a call with one is lowered)."""
     arr, dt = input_array(c, x)
-    rop, _ = reduce_op_and_factor(c, op, dt, None)
-    fields = {"dtype": dt, "shape": arr.shape, "reduce": rop}
+    fields, _ = _sig.all_reduce(c, dt, arr.shape, op, factor)
+    rop = fields["reduce"]
     run = _reducing(c, "all_reduce", dt, rop)
     in_place = _reducing_in_place(c.comm, rop, c.size)
     return Plan("all_reduce", fields, _native(run, arr.dtype, dt), arr.shape, in_place)
@@ -216,7 +201,7 @@ def _reducing_in_place(
     comm: Communicator, rop: ReduceOp, size: int
 ) -> Callable[[np.ndarray], None]:
     """An all_reduce of a buffer in place (the communicator's primitive; ``avg`` divides)."""
-    prim = ReduceOp.SUM if rop in COMPOSED else rop
+    prim = primitive(rop)
     average = rop is ReduceOp.AVG
 
     def run(buf: np.ndarray) -> None:
@@ -227,13 +212,14 @@ def _reducing_in_place(
     return run
 
 
-def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) -> Plan:
+def plan_reduce_scatter(
+    c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any, factor: None = None
+) -> Plan:
     """The plan of a ``reduce_scatter`` of ``x`` (no factor)."""
     arr, dt = input_array(c, x)
-    rop, _ = reduce_op_and_factor(c, op, dt, None)
-    ax, block = split_blocks(c, arr, axis, tiled, "axis")
-    fields = {"dtype": dt, "shape": arr.shape, "reduce": rop, "axis": ax, "tiled": bool(tiled)}
-    run = _reducing(c, "reduce_scatter", dt, rop)
+    fields, _, block = _sig.reduce_scatter(c, dt, arr.shape, op, axis, tiled, factor)
+    ax = fields["axis"]
+    run = _reducing(c, "reduce_scatter", dt, fields["reduce"])
     if ax != 0:  # at axis 0 a C-contiguous input is rank-major already, tiled or not
         run = _sending_blocks(run, c.pool, ax, c.size, bool(tiled), dt)
     return Plan("reduce_scatter", fields, _native(run, arr.dtype, dt), block)
@@ -242,39 +228,37 @@ def plan_reduce_scatter(c: Call, x: np.ndarray, op: Any, axis: Any, tiled: Any) 
 def plan_all_gather(c: Call, x: np.ndarray, axis: Any, tiled: Any) -> Plan:
     """The plan of an ``all_gather`` of ``x``."""
     arr, dt = input_array(c, x)
-    if tiled and arr.ndim == 0:
-        raise InvalidArgument(f"{c.where}: tiled all_gather needs at least 1 axis, got a 0-d array")
-    ax = axis_arg(c.where, axis, arr.ndim if tiled else arr.ndim + 1, "axis")
-    fields = {"dtype": dt, "shape": arr.shape, "axis": ax, "tiled": bool(tiled)}
+    fields = _sig.all_gather(c, dt, arr.shape, axis, tiled)
+    ax = fields["axis"]
     run = _runner(c, "all_gather", dt, None)
     if ax != 0:
         run = _placing_blocks(run, c.pool, arr.shape, ax, c.size, bool(tiled), dt)
-    return Plan(
-        "all_gather", fields, _native(run, arr.dtype, dt), _joined(arr.shape, ax, c.size, tiled)
-    )
+    shape = joined_shape(arr.shape, ax, c.size, tiled)
+    return Plan("all_gather", fields, _native(run, arr.dtype, dt), shape)
 
 
 def plan_all_to_all(c: Call, x: np.ndarray, split_axis: Any, concat_axis: Any, tiled: Any) -> Plan:
     """The plan of an ``all_to_all`` of ``x``."""
     arr, dt = input_array(c, x)
-    split, block = split_blocks(c, arr, split_axis, tiled, "split_axis")
-    concat = axis_arg(c.where, concat_axis, arr.ndim, "concat_axis")
-    fp = {"dtype": dt, "shape": arr.shape, "axis": split, "axis2": concat, "tiled": bool(tiled)}
+    fields, block = _sig.all_to_all(c, dt, arr.shape, split_axis, concat_axis, tiled)
+    split, concat = fields["axis"], fields["axis2"]
     run = _runner(c, "all_to_all", dt, None)
     if concat != 0:
         run = _placing_blocks(run, c.pool, block, concat, c.size, bool(tiled), dt)
     if split != 0:
         run = _sending_blocks(run, c.pool, split, c.size, bool(tiled), dt)
-    return Plan(
-        "all_to_all", fp, _native(run, arr.dtype, dt), _joined(block, concat, c.size, tiled)
-    )
+    shape = joined_shape(block, concat, c.size, tiled)
+    return Plan("all_to_all", fields, _native(run, arr.dtype, dt), shape)
 
 
-def plan_broadcast(c: Call, x: np.ndarray, root: Any) -> Plan:
-    """The plan of a ``broadcast`` with an array ``x`` on every rank."""
+def plan_broadcast(
+    c: Call, x: np.ndarray, root: Any, shape: None = None, dtype: None = None
+) -> Plan:
+    """The plan of a ``broadcast`` with an array ``x`` on every rank (no ``shape=`` or
+    ``dtype=``: a call with them is lowered)."""
     r = rank_arg(c, root, "root")
     arr, dt = input_array(c, x)
-    fields = {"dtype": dt, "shape": arr.shape, "root": r}
+    fields = _sig.broadcast(c, dt, arr.shape, r)
     run = _native(_runner(c, "broadcast", dt, r), arr.dtype, dt)
     return Plan("broadcast", fields, run, arr.shape)
 

@@ -15,13 +15,17 @@ communicator's layout where it lies. Results come from a per-world
 :class:`~meshcomm.group.arrays.ResultPool` that recycles large buffers, send snapshots from a
 scratch pool reused from call to call.
 
-Per-call cost: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all`` and
-``broadcast`` (an array on every rank) of a numpy array, and a device ``all_reduce``, run
-through the **plan** of their call signature (:mod:`meshcomm.group.plans`,
-:class:`meshcomm.group.device_lower.DevicePlan`), made on its first call with every check of the
-lowering; a call that finds its plan runs the runner on the claimed engine with only the
-sequence number, the ledger entry and the stamp around it (docs/architecture.md, decision
-3). The rest is lowered per call (:mod:`meshcomm.group.lower`, :mod:`meshcomm.group.device_lower`).
+One route: every collective method hands its arguments, as they are, to the group's
+issuer (:meth:`meshcomm.group.issuing.Issuer.call`) with the collective's description
+(:mod:`meshcomm.group.collectives`): ``call -> route -> plan -> run``. The route (host or
+device communicator, a device array staged through host memory) is
+:mod:`meshcomm.group.routes`'; ``all_reduce``, ``reduce_scatter``, ``all_gather``,
+``all_to_all`` and ``broadcast`` (an array on every rank) of a numpy array, and a device
+``all_reduce``, run through the cached **plan** of their call signature
+(:mod:`meshcomm.group.plans`), made on its first call with every check; a call that finds
+its plan runs the runner on the claimed engine with only the sequence number, the ledger
+entry and the stamp around it (docs/architecture.md, decision 3). The rest is lowered per
+call (:mod:`meshcomm.group.lower`, :mod:`meshcomm.group.device_lower`): a plan used once.
 Closing the group drops its plans, and a closed group's engine refuses every call. Every
 argument error is raised before any I/O.
 
@@ -66,11 +70,12 @@ from meshcomm.backends.local import SelfCommunicator  # noqa: F401 - the doctest
 from meshcomm.diagnostics import fingerprint as _fingerprint
 from meshcomm.diagnostics.fingerprint import DEBUG_ENV_VARS
 from meshcomm.errors import InvalidArgument
+from meshcomm.group import collectives as _coll
 from meshcomm.group import device_lower as _device_lower
 from meshcomm.group import device_p2p as _device_p2p
 from meshcomm.group import lower as _lower
 from meshcomm.group import plans as _plans
-from meshcomm.group import staging as _staging
+from meshcomm.group import routes
 from meshcomm.group.issuing import Issuer
 from meshcomm.group.point_to_point import PointToPoint
 from meshcomm.group.subgroups import SubGroups
@@ -139,18 +144,12 @@ class ProcessGroup(SubGroups, PointToPoint):
         else:
             debug = _parent.debug if debug is None else bool(debug)
             checks = _parent._issuer.checks
-        # Its calls run through the issuer (checks, engine, ledger, plans); the names below
-        # are the issuer's, for the hot paths and the tools that read a group's ledger.
-        issuer = Issuer(self, comm, engine, self._where, debug, checks, device)
-        self._issuer: Issuer = issuer
+        # Its calls run through the issuer (checks, engine, ledger, plans): every collective
+        # method below is one call of ``self._issuer.call``. ``_book`` is its ledger, for
+        # the tools that read a group's.
+        self._issuer: Issuer = Issuer(self, comm, engine, self._where, debug, checks, device)
         self._engine: ProgressEngine = engine
-        self._book = issuer.book
-        self._plans = issuer.plans
-        self._enter = issuer.enter
-        self._issue = issuer.issue
-        self._plan = issuer.plan
-        self._run_plan = issuer.run_plan
-        self._issue_on_device = issuer.issue_on_device
+        self._book = self._issuer.book
         self._children = 0
         # Made with the group (not on first use: two threads would count messages apart).
         self._p2p = None if device is None else _device_p2p.for_communicators(comm, device)
@@ -337,44 +336,29 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.all_reduce(grads, out=grads) is grads
             True
         """
-        if out is not None:
-            if (
-                out is x
-                and type(x) is np.ndarray
-                and factor is None
-                and x.flags.c_contiguous
-                and x.flags.writeable
-            ):  # in place (the DDP bucket, torch's all_reduce): what check_out asks holds
-                plan = self._plan(
-                    ("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op
-                )
-                return self._run_plan(plan, x, async_op, x)
-            return self._all_reduce_into(x, op, factor, async_op, out)
-        if type(x) is np.ndarray and factor is None:
-            plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
-            return self._run_plan(plan, x, async_op)
-        if (pair := self._device_of(x)) is not None:
-            gpu: Any = x
-            if factor is None and gpu.flags.c_contiguous:
-                key = ("all_reduce", "device", gpu.dtype, gpu.shape, op)
-                planned = self._plan(key, _device_lower.plan_all_reduce, *pair, gpu, op)
-                return self._issuer.run_device_plan(planned, gpu, async_op)
-            c = self._enter("all_reduce")
-            on_device = _device_lower.all_reduce(c, *pair, x, op, factor)
-            return self._issue_on_device("all_reduce", on_device, async_op)
-        c = self._enter("all_reduce")
-        x, dev = _staging.to_host(x)
-        lowered = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
-        return self._issue("all_reduce", lowered, async_op, dev)
+        issuer = self._issuer
+        if out is None:
+            return issuer.call(_coll.ALL_REDUCE, x, async_op, op, factor)
+        if (
+            out is x
+            and type(x) is np.ndarray
+            and factor is None
+            and x.flags.c_contiguous
+            and x.flags.writeable
+        ):  # in place (the DDP bucket, torch's all_reduce): what check_out asks holds
+            plan = issuer.plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
+            return issuer.run_plan(plan, x, async_op, x)
+        return self._all_reduce_into(x, op, factor, async_op, out)
 
     def _all_reduce_into(self, x: Any, op: OpLike, factor: Any, async_op: bool, out: Any) -> Any:
         """:meth:`all_reduce` with ``out``: checked first, then the plan of the signature
         runs into ``out`` (a ``premul_sum``, whose factor is no part of a plan, is lowered
         per call and its result copied into ``out``)."""
-        c = self._enter("all_reduce")
-        if (pair := self._device_of(x)) is not None:
-            lowered = _device_lower.all_reduce_into(c, *pair, x, op, factor, out)
-            return self._issue_on_device("all_reduce", lowered, async_op)
+        issuer = self._issuer
+        c = issuer.enter("all_reduce")
+        if (on_device := routes.device_route(self._device, x)) is not None:
+            lowered = _device_lower.all_reduce_into(c, *on_device, x, op, factor, out)
+            return issuer.issue_on_device("all_reduce", lowered, async_op)
         _lower.check_out(c, x, out)
         if factor is not None:
             body, fields = _lower.all_reduce(c, x, op, factor, snapshot=bool(async_op))
@@ -383,9 +367,9 @@ class ProcessGroup(SubGroups, PointToPoint):
                 np.copyto(out, body())
                 return out
 
-            return self._issue("all_reduce", (scaled_into_out, fields), async_op)
-        plan = self._plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
-        return self._run_plan(plan, x, async_op, out)
+            return issuer.issue("all_reduce", (scaled_into_out, fields), async_op)
+        plan = issuer.plan(("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, op)
+        return issuer.run_plan(plan, x, async_op, out)
 
     def all_gather(
         self, x: ArrayLike, axis: int = 0, tiled: bool = False, *, async_op: bool = False
@@ -415,22 +399,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.all_gather(x, axis=1).shape, g.all_gather(x, axis=1, tiled=True).shape
             ((2, 1, 3), (2, 3))
         """
-        if type(x) is np.ndarray and type(axis) is int:
-            plan = self._plan(
-                ("all_gather", x.dtype, x.shape, axis, tiled),
-                _plans.plan_all_gather,
-                x,
-                axis,
-                tiled,
-            )
-            return self._run_plan(plan, x, async_op)
-        c = self._enter("all_gather")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.all_gather(c, *pair, x, axis, tiled)
-            return self._issue_on_device("all_gather", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        lowered = _lower.all_gather(c, x, axis, tiled, snapshot=bool(async_op))
-        return self._issue("all_gather", lowered, async_op, dev)
+        return self._issuer.call(_coll.ALL_GATHER, x, async_op, axis, tiled)
 
     def reduce_scatter(
         self,
@@ -467,23 +436,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.reduce_scatter(np.arange(4.0).reshape(1, 4), axis=0)
             array([0., 1., 2., 3.])
         """
-        if type(x) is np.ndarray and factor is None and type(axis) is int:
-            plan = self._plan(
-                ("reduce_scatter", x.dtype, x.shape, op, axis, tiled),
-                _plans.plan_reduce_scatter,
-                x,
-                op,
-                axis,
-                tiled,
-            )
-            return self._run_plan(plan, x, async_op)
-        c = self._enter("reduce_scatter")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.reduce_scatter(c, *pair, x, op, axis, tiled, factor)
-            return self._issue_on_device("reduce_scatter", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        lowered = _lower.reduce_scatter(c, x, op, axis, tiled, factor, snapshot=bool(async_op))
-        return self._issue("reduce_scatter", lowered, async_op, dev)
+        return self._issuer.call(_coll.REDUCE_SCATTER, x, async_op, op, axis, tiled, factor)
 
     def all_to_all(
         self,
@@ -521,24 +474,8 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.all_to_all(np.arange(6).reshape(1, 6), split_axis=0, concat_axis=1).shape
             (6, 1)
         """
-        if type(x) is np.ndarray and type(split_axis) is int and type(concat_axis) is int:
-            # Ints only: a key compares equal for 0, False and 0.0, and the checks differ.
-            plan = self._plan(
-                ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled),
-                _plans.plan_all_to_all,
-                x,
-                split_axis,
-                concat_axis,
-                tiled,
-            )
-            return self._run_plan(plan, x, async_op)
-        c = self._enter("all_to_all")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.all_to_all(c, *pair, x, split_axis, concat_axis, tiled)
-            return self._issue_on_device("all_to_all", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        lowered = _lower.all_to_all(c, x, split_axis, concat_axis, tiled, snapshot=bool(async_op))
-        return self._issue("all_to_all", lowered, async_op, dev)
+        issuer = self._issuer
+        return issuer.call(_coll.ALL_TO_ALL, x, async_op, split_axis, concat_axis, tiled)
 
     def broadcast(
         self,
@@ -572,16 +509,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.broadcast(np.arange(3), root=0)
             array([0, 1, 2])
         """
-        if type(x) is np.ndarray and type(root) is int and shape is None and dtype is None:
-            plan = self._plan(("broadcast", x.dtype, x.shape, root), _plans.plan_broadcast, x, root)
-            return self._run_plan(plan, x, async_op)
-        c = self._enter("broadcast")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.broadcast(c, *pair, x, root, shape, dtype)
-            return self._issue_on_device("broadcast", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        lowered = _lower.broadcast(c, x, root, shape, dtype, snapshot=bool(async_op))
-        return self._issue("broadcast", lowered, async_op, dev)
+        return self._issuer.call(_coll.BROADCAST, x, async_op, root, shape, dtype)
 
     def reduce(
         self,
@@ -614,12 +542,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.reduce(np.array([3, 1]), root=0, op="max")
             array([3, 1])
         """
-        c = self._enter("reduce")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.reduce(c, *pair, x, root, op, factor)
-            return self._issue_on_device("reduce", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        return self._issue("reduce", _lower.reduce(c, x, root, op, factor), async_op, dev)
+        return self._issuer.call(_coll.REDUCE, x, async_op, root, op, factor)
 
     def gather(self, x: ArrayLike, root: int = 0, *, async_op: bool = False) -> Any:
         """Stack every rank's ``x`` on ``root``.
@@ -642,12 +565,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.gather(np.arange(2), root=0)
             array([[0, 1]])
         """
-        c = self._enter("gather")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.gather(c, *pair, x, root)
-            return self._issue_on_device("gather", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        return self._issue("gather", _lower.gather(c, x, root, bool(async_op)), async_op, dev)
+        return self._issuer.call(_coll.GATHER, x, async_op, root)
 
     def scatter(
         self,
@@ -682,13 +600,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.scatter(np.array([[1, 2]]), root=0)
             array([1, 2])
         """
-        c = self._enter("scatter")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.scatter(c, *pair, x, root, shape, dtype)
-            return self._issue_on_device("scatter", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        lowered = _lower.scatter(c, x, root, shape, dtype, snapshot=bool(async_op))
-        return self._issue("scatter", lowered, async_op, dev)
+        return self._issuer.call(_coll.SCATTER, x, async_op, root, shape, dtype)
 
     def permute(
         self, x: ArrayLike, perm: Sequence[tuple[int, int]], *, async_op: bool = False
@@ -713,12 +625,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             >>> g.permute(np.array([1, 2]), [(0, 0)]), g.permute(np.array([1, 2]), [])
             (array([1, 2]), array([0, 0]))
         """
-        c = self._enter("permute")
-        if (pair := self._device_of(x)) is not None:
-            on_device = _device_lower.permute(c, *pair, x, perm)
-            return self._issue_on_device("permute", on_device, async_op)
-        x, dev = _staging.to_host(x)
-        return self._issue("permute", _lower.permute(c, x, perm, bool(async_op)), async_op, dev)
+        return self._issuer.call(_coll.PERMUTE, x, async_op, perm)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank of the group has entered the barrier.
@@ -732,17 +639,20 @@ class ProcessGroup(SubGroups, PointToPoint):
         Example:
             >>> ProcessGroup(SelfCommunicator()).barrier()
         """
-        c = self._enter("barrier")
-        return self._issue("barrier", _lower.barrier(c), async_op)
+        return self._issuer.call(_coll.BARRIER, None, async_op)
 
-    def _device_of(self, x: Any) -> tuple[Communicator, ModuleType] | None:
-        """``(device communicator, array module)`` where ``x`` is a device array and the
-        group has a device backend: the call goes there; else None (the host path)."""
-        d = self._device
-        if d is None:
-            return None
-        xp = _staging.family(x)
-        return None if xp is None else (d, xp)
+    # -- what the point-to-point and sub-group methods lower with ---------------------------
+    def _enter(self, op: str) -> _lower.Call:
+        """The issuer's :meth:`~meshcomm.group.issuing.Issuer.enter`: refuse a closed or
+        failed group; the call context for lowering ``op``."""
+        return self._issuer.enter(op)
+
+    def _issue(
+        self, op: str, lowered: _lower.Lowered, async_op: bool, device: ModuleType | None = None
+    ) -> Any:
+        """The issuer's :meth:`~meshcomm.group.issuing.Issuer.issue`: run a lowered call in
+        the group's order (its result handed back to ``device``'s module where given)."""
+        return self._issuer.issue(op, lowered, async_op, device)
 
     def _child(
         self, comm: Communicator, name: str, device: Communicator | None = None

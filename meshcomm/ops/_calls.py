@@ -10,10 +10,10 @@ packed op's own arguments) join the call's signature, so ranks that packed diffe
 raise :class:`~meshcomm.errors.MismatchError` instead of reading each other's bytes wrongly.
 The axes alone (``over``) are words only: the group itself is what they decide.
 
-A note rides on the group's plan route (a plan per call signature and note, so a call costs
-what a group method's call does) and on its lowered route for ``permute``. Device arrays (a
-device backend's route) and a ``premul_sum`` factor go through the plain group method:
-their calls carry no note.
+A note rides on the group's one route (:meth:`~meshcomm.group.issuing.Issuer.call_noted`):
+on its plans (a plan per call signature and note, so a call costs what a group method's
+call does) and on its host lowerings; a device call (a device backend's route) carries
+none.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator
@@ -34,10 +34,16 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from meshcomm.group import lower as _lower
-from meshcomm.group import plans as _plans
-from meshcomm.group import staging as _staging
 from meshcomm.group.arrays import dtype_name
+from meshcomm.group.collectives import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BROADCAST,
+    PERMUTE,
+    REDUCE_SCATTER,
+    Collective,
+)
 
 if TYPE_CHECKING:
     from meshcomm.group import ProcessGroup
@@ -53,16 +59,8 @@ Collectives = Union["ProcessGroup", "NotedGroup"]
 
 def all_reduce(group: ProcessGroup, x: Any, op: Any, note: Note) -> Any:
     """``group.all_reduce(x, op)`` of a numpy array with ``note`` (the ops' direct path:
-    what the group method's own plan route does, under a key with the note)."""
-    plan = group._plan(
-        ("all_reduce", x.dtype, x.shape, op, note),
-        _plans.noted,
-        _plans.plan_all_reduce,
-        note,
-        x,
-        op,
-    )
-    return group._run_plan(plan, x, False)
+    the group's one route, under a key with the note)."""
+    return group._issuer.call_noted(ALL_REDUCE, note, x, False, op, None)
 
 
 class NotedGroup:
@@ -82,27 +80,17 @@ class NotedGroup:
     def all_reduce(
         self, x: Any, op: Any = "sum", *, factor: Any = None, async_op: bool = False
     ) -> Any:
-        if type(x) is np.ndarray and factor is None:
-            return self._planned(
-                ("all_reduce", x.dtype, x.shape, op), _plans.plan_all_reduce, x, async_op, op
-            )
-        return self.group.all_reduce(x, op, factor=factor, async_op=async_op)
+        return self._call(ALL_REDUCE, x, async_op, op, factor)
 
     def all_gather(
         self, x: Any, axis: int = 0, tiled: bool = False, *, async_op: bool = False
     ) -> Any:
-        if type(x) is np.ndarray and type(axis) is int:
-            key = ("all_gather", x.dtype, x.shape, axis, tiled)
-            return self._planned(key, _plans.plan_all_gather, x, async_op, axis, tiled)
-        return self.group.all_gather(x, axis, tiled, async_op=async_op)
+        return self._call(ALL_GATHER, x, async_op, axis, tiled)
 
     def reduce_scatter(
         self, x: Any, op: Any = "sum", axis: int = 0, tiled: bool = False, *, async_op: bool = False
     ) -> Any:
-        if type(x) is np.ndarray and type(axis) is int:
-            key = ("reduce_scatter", x.dtype, x.shape, op, axis, tiled)
-            return self._planned(key, _plans.plan_reduce_scatter, x, async_op, op, axis, tiled)
-        return self.group.reduce_scatter(x, op, axis, tiled, async_op=async_op)
+        return self._call(REDUCE_SCATTER, x, async_op, op, axis, tiled, None)
 
     def all_to_all(
         self,
@@ -113,36 +101,16 @@ class NotedGroup:
         *,
         async_op: bool = False,
     ) -> Any:
-        if type(x) is np.ndarray and type(split_axis) is int and type(concat_axis) is int:
-            key = ("all_to_all", x.dtype, x.shape, split_axis, concat_axis, tiled)
-            return self._planned(
-                key, _plans.plan_all_to_all, x, async_op, split_axis, concat_axis, tiled
-            )
-        return self.group.all_to_all(x, split_axis, concat_axis, tiled, async_op=async_op)
+        return self._call(ALL_TO_ALL, x, async_op, split_axis, concat_axis, tiled)
 
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
-        if type(x) is np.ndarray and type(root) is int:
-            return self._planned(
-                ("broadcast", x.dtype, x.shape, root), _plans.plan_broadcast, x, async_op, root
-            )
-        return self.group.broadcast(x, root, async_op=async_op)
+        return self._call(BROADCAST, x, async_op, root, None, None)
 
     def permute(self, x: Any, perm: Sequence[tuple[int, int]], *, async_op: bool = False) -> Any:
-        group = self.group
-        if group._device_of(x) is not None:
-            return group.permute(x, perm, async_op=async_op)
-        c = group._enter("permute")
-        host, dev = _staging.to_host(x)
-        body, fields = _lower.permute(c, host, perm, bool(async_op))
-        noted = {**(fields or {}), **dict(self.note)}
-        return group._issue("permute", (body, noted), async_op, dev)
+        return self._call(PERMUTE, x, async_op, perm)
 
-    def _planned(
-        self, key: tuple[Any, ...], make: Any, x: np.ndarray, async_op: bool, *args: Any
-    ) -> Any:
-        group, note = self.group, self.note
-        plan = group._plan((*key, note), _plans.noted, make, note, x, *args)
-        return group._run_plan(plan, x, async_op)
+    def _call(self, coll: Collective, x: Any, async_op: bool, *args: Any) -> Any:
+        return self.group._issuer.call_noted(coll, self.note, x, async_op, *args)
 
 
 #: Words of the trees seen, by structure and leaf dtypes and shapes (training code passes the

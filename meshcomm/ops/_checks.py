@@ -1,6 +1,10 @@
 """Argument checks (before any I/O, JAX-style messages stating both values) and the block
 layouts the gather / scatter / all-to-all kernels pack leaves into.
 
+The int check and the layouts are the group's (:mod:`meshcomm.group.signatures`,
+:mod:`meshcomm.group.arrays`, over any array module): the ops layer words positions for
+its own users (mesh axis sizes, not group sizes).
+
 Example:
     >>> axis_arg("all_gather over 'x' (size 2) on rank 0", 3, 2, "axis")
     Traceback (most recent call last):
@@ -11,23 +15,14 @@ range for 2 positions (valid: -2..1)
 
 from __future__ import annotations
 
-import operator
 from types import ModuleType
 from typing import Any
 
 from meshcomm.errors import InvalidArgument
+from meshcomm.group import arrays as _arrays
+from meshcomm.group.signatures import int_arg
 
 __all__ = ["axis_arg", "block_shape", "index_arg", "to_blocks", "unstack"]
-
-
-def _as_int(where: str, value: Any, name: str) -> int:
-    """``value`` as an int (anything with ``__index__``, but not a bool)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}") from None
 
 
 def axis_arg(where: str, value: Any, n: int, name: str) -> int:
@@ -37,7 +32,7 @@ def axis_arg(where: str, value: Any, n: int, name: str) -> int:
         TypeError: not an int.
         InvalidArgument: out of range.
     """
-    a = _as_int(where, value, name)
+    a = int_arg(where, value, name)
     if not -n <= a < n:
         raise InvalidArgument(
             f"{where}: {name}={a} is out of range for {n} positions (valid: {-n}..{n - 1})"
@@ -52,7 +47,7 @@ def index_arg(where: str, value: Any, size: int, name: str) -> int:
         TypeError: not an int.
         InvalidArgument: out of range.
     """
-    i = _as_int(where, value, name)
+    i = int_arg(where, value, name)
     if not 0 <= i < size:
         raise InvalidArgument(f"{where}: {name} must be an axis index in [0, {size}), got {i}")
     return i
@@ -89,14 +84,7 @@ def to_blocks(xp: ModuleType, arr: Any, ax: int, size: int, tiled: bool) -> Any:
         array([[0, 1, 2],
                [3, 4, 5]])
     """
-    if tiled:
-        chunk = arr.shape[ax] // size
-        arr = arr.reshape((*arr.shape[:ax], size, chunk, *arr.shape[ax + 1 :]))
-    moved = xp.moveaxis(arr, ax, 0)
-    k = 1
-    for d in moved.shape[1:]:
-        k *= d
-    return xp.ascontiguousarray(moved).reshape(size, k)
+    return _arrays.rank_major(arr, ax, size, tiled, xp).reshape(size, -1)
 
 
 def unstack(
@@ -109,8 +97,4 @@ def unstack(
         >>> unstack(np, np.arange(4), (2,), ax=0, size=2, tiled=True)
         array([0, 1, 2, 3])
     """
-    moved = xp.moveaxis(flat.reshape((size, *block)), 0, ax)
-    if tiled:
-        merged = (*block[:ax], size * block[ax], *block[ax + 1 :])
-        moved = moved.reshape(merged)
-    return xp.ascontiguousarray(moved)
+    return _arrays.unstack(flat, block, ax, size, tiled, xp=xp)

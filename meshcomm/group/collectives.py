@@ -1,0 +1,207 @@
+"""One description per collective, registered once: how a group resolves a call to a plan.
+
+A :class:`Collective` says everything the group needs to know of one collective, the way
+JAX registers a primitive with its rules: its name, its **plan key** (the call signature a
+plan is cached under, or None where the call is lowered per call: a ``premul_sum``
+factor, ``shape=`` off a root), its **plan** (made once per key, with every argument check:
+:mod:`meshcomm.group.plans`), and its **lowering** per call over host buffers
+(:mod:`meshcomm.group.lower`) or on a device communicator
+(:mod:`meshcomm.group.device_lower`), and the same for device arrays (``device_key``,
+``device_plan``). Every one of them checks the call with :mod:`meshcomm.group.signatures`,
+so every route raises the same errors in the same words before any I/O.
+
+:data:`COLLECTIVES` holds them by name; :meth:`meshcomm.group.ProcessGroup` methods hand
+their arguments, as they are, to the group's one resolver with the description
+(``call -> route -> plan, cached or used once -> run``): a lowered call is a plan used
+once, run through the same issuer.
+
+Example:
+    >>> COLLECTIVES["all_reduce"].key(np.ones(2), "sum", None)[:2]
+    ('all_reduce', dtype('float64'))
+    >>> COLLECTIVES["all_reduce"].key(np.ones(2), "premul_sum", 2.0) is None  # lowered
+    True
+    >>> sorted(name for name, c in COLLECTIVES.items() if c.key is not _unplanned)
+    ['all_gather', 'all_reduce', 'all_to_all', 'broadcast', 'reduce_scatter']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np  # noqa: F401 - the doctests use it
+
+from meshcomm.group import device_lower as _device_lower
+from meshcomm.group import lower as _lower
+from meshcomm.group import plans as _plans
+
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+    "BARRIER",
+    "BROADCAST",
+    "COLLECTIVES",
+    "GATHER",
+    "PERMUTE",
+    "REDUCE",
+    "REDUCE_SCATTER",
+    "SCATTER",
+    "Collective",
+]
+
+#: ``key(x, *args)``: the plan key of a call on the numpy (or device) array ``x``, or None.
+Key = Callable[..., "tuple[Any, ...] | None"]
+
+
+def _unplanned(x: Any, *args: Any) -> None:
+    """The key of a collective that is never planned: every call is lowered."""
+    return None
+
+
+def _no_plan(c: _lower.Call, *args: Any) -> Any:
+    raise NotImplementedError("this collective has no plan: its key is always None")
+
+
+class Collective:
+    """The description of one collective (see the module docstring).
+
+    Every callable takes the method's own arguments after ``x``, in the method's order.
+
+    Attributes:
+        name: the operation's name (``"all_reduce"``; the ledger's, the fingerprint's).
+        lower: ``lower(call, x, *args, snapshot=...)``: the per-call host lowering.
+        lower_device: ``lower_device(call, device_comm, xp, x, *args)``: the per-call
+            device lowering.
+        lower_device: None where the collective moves no array (``barrier``).
+        key: the plan key of a call on a numpy ``x``, or None: lowered per call (always,
+            for a collective without a plan).
+        plan: ``plan(call, x, *args)``: the plan of a key (:class:`~meshcomm.group.plans.Plan`).
+        device_key: the plan key of a call on a device ``x``, or None.
+        device_plan: ``device_plan(call, device_comm, xp, x, *args)``.
+    """
+
+    __slots__ = ("device_key", "device_plan", "key", "lower", "lower_device", "name", "plan")
+
+    def __init__(
+        self,
+        name: str,
+        lower: Callable[..., _lower.Lowered],
+        lower_device: Callable[..., _lower.Lowered] | None = None,
+        key: Key = _unplanned,
+        plan: Callable[..., _plans.Plan] = _no_plan,
+        device_key: Key = _unplanned,
+        device_plan: Callable[..., _device_lower.DevicePlan] = _no_plan,
+    ) -> None:
+        self.name = name
+        self.lower = lower
+        self.lower_device = lower_device
+        self.key = key
+        self.plan = plan
+        self.device_key = device_key
+        self.device_plan = device_plan
+
+    def __repr__(self) -> str:
+        return f"<Collective {self.name}>"
+
+
+# Keys: the collective's name first (the issuer names a new plan's call by it), then what
+# the plan's checks read. Ints only where an argument is an axis or a root: a key compares
+# equal for 0, False and 0.0, and the checks differ.
+def _all_reduce_key(x: Any, op: Any, factor: Any) -> tuple[Any, ...] | None:
+    return ("all_reduce", x.dtype, x.shape, op) if factor is None else None
+
+
+def _device_all_reduce_key(x: Any, op: Any, factor: Any) -> tuple[Any, ...] | None:
+    # Only a C-contiguous array: the device plan's runner reads it flat where it lies.
+    if factor is None and x.flags.c_contiguous:
+        return ("all_reduce", "device", x.dtype, x.shape, op)
+    return None
+
+
+def _all_gather_key(x: Any, axis: Any, tiled: Any) -> tuple[Any, ...] | None:
+    return ("all_gather", x.dtype, x.shape, axis, tiled) if type(axis) is int else None
+
+
+def _reduce_scatter_key(
+    x: Any, op: Any, axis: Any, tiled: Any, factor: Any
+) -> tuple[Any, ...] | None:
+    if factor is None and type(axis) is int:
+        return ("reduce_scatter", x.dtype, x.shape, op, axis, tiled)
+    return None
+
+
+def _all_to_all_key(x: Any, split: Any, concat: Any, tiled: Any) -> tuple[Any, ...] | None:
+    if type(split) is int and type(concat) is int:
+        return ("all_to_all", x.dtype, x.shape, split, concat, tiled)
+    return None
+
+
+def _broadcast_key(x: Any, root: Any, shape: Any, dtype: Any) -> tuple[Any, ...] | None:
+    if type(root) is int and shape is None and dtype is None:
+        return ("broadcast", x.dtype, x.shape, root)
+    return None
+
+
+ALL_REDUCE = Collective(
+    "all_reduce",
+    _lower.all_reduce,
+    _device_lower.all_reduce,
+    _all_reduce_key,
+    _plans.plan_all_reduce,
+    _device_all_reduce_key,
+    _device_lower.plan_all_reduce,
+)
+ALL_GATHER = Collective(
+    "all_gather",
+    _lower.all_gather,
+    _device_lower.all_gather,
+    _all_gather_key,
+    _plans.plan_all_gather,
+)
+REDUCE_SCATTER = Collective(
+    "reduce_scatter",
+    _lower.reduce_scatter,
+    _device_lower.reduce_scatter,
+    _reduce_scatter_key,
+    _plans.plan_reduce_scatter,
+)
+ALL_TO_ALL = Collective(
+    "all_to_all",
+    _lower.all_to_all,
+    _device_lower.all_to_all,
+    _all_to_all_key,
+    _plans.plan_all_to_all,
+)
+BROADCAST = Collective(
+    "broadcast", _lower.broadcast, _device_lower.broadcast, _broadcast_key, _plans.plan_broadcast
+)
+REDUCE = Collective("reduce", _lower.reduce, _device_lower.reduce)
+GATHER = Collective("gather", _lower.gather, _device_lower.gather)
+SCATTER = Collective("scatter", _lower.scatter, _device_lower.scatter)
+PERMUTE = Collective("permute", _lower.permute, _device_lower.permute)
+
+
+def _barrier(c: _lower.Call, x: None, snapshot: bool = True) -> _lower.Lowered:
+    return _lower.barrier(c)
+
+
+#: A barrier moves no array: it always takes the host communicator.
+BARRIER = Collective("barrier", _barrier)
+
+#: Every collective a group runs, by name.
+COLLECTIVES: dict[str, Collective] = {
+    c.name: c
+    for c in (
+        ALL_REDUCE,
+        ALL_GATHER,
+        REDUCE_SCATTER,
+        ALL_TO_ALL,
+        BROADCAST,
+        REDUCE,
+        GATHER,
+        SCATTER,
+        PERMUTE,
+        BARRIER,
+    )
+}
