@@ -123,7 +123,7 @@ def kind_of(x: Any) -> str:
     """
     if isinstance(x, np.ndarray):
         return "numpy"
-    root = _root(x)
+    root = type(x).__module__.partition(".")[0]  # _root, inline: scalars come here often
     if root in _PLAIN_ROOTS:  # scalars, lists: the common leaves, named at once
         return "other"
     if root in ("jax", "jaxlib"):

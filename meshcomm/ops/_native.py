@@ -83,6 +83,8 @@ def unwrap(x: Any, where: str) -> tuple[Any, Rewrap | None]:
     if type(x) is np.ndarray:
         return x, None
     kind = routes.kind_of(x)
+    if kind == "other":  # scalars and lists: numpy converts them
+        return x, None
     if kind in _TORCH_KINDS:
         return _unwrap_torch(x, kind, where)
     if kind in _JAX_KINDS:
