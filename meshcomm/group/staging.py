@@ -40,10 +40,7 @@ import numpy as np
 __all__ = [
     "PINNED_MAX_ENV",
     "download",
-    "family",
     "pinned_limit",
-    "to_device",
-    "to_host",
     "upload",
 ]
 
@@ -137,26 +134,3 @@ def upload(xp: ModuleType, result: Any) -> Any:
     done.record()
     _PINNED.up = (memory, size, done)
     return out
-
-
-# The names callers used before routes.py decided for them; each asks routes.py.
-def family(x: Any) -> ModuleType | None:
-    """:func:`meshcomm.group.routes.device_module`."""
-    from meshcomm.group import routes
-
-    return routes.device_module(x)
-
-
-def to_host(x: Any) -> tuple[Any, ModuleType | None]:
-    """:func:`meshcomm.group.routes.host_route`, as a plain tuple."""
-    from meshcomm.group import routes
-
-    host, back = routes.host_route(x)
-    return host, back
-
-
-def to_device(xp: ModuleType, result: Any) -> Any:
-    """:func:`meshcomm.group.routes.give_back`."""
-    from meshcomm.group import routes
-
-    return routes.give_back(xp, result)
