@@ -23,6 +23,7 @@ __all__ = [
     "subtree_size",
     "tree_children",
     "tree_parent",
+    "ufunc_of",
     "wrap_ranges",
 ]
 
@@ -135,6 +136,17 @@ def combine_into(op: ReduceOp, first: np.ndarray, second: np.ndarray, out: np.nd
         array([3, 5])
     """
     _UFUNCS[op](first, second, out=out)
+
+
+def ufunc_of(op: ReduceOp) -> np.ufunc:
+    """The numpy ufunc of primitive op ``op``: :func:`combine_into` without its call, for a
+    caller that combines several operands (one dict lookup per call, not per operand).
+
+    Example:
+        >>> ufunc_of(ReduceOp.MAX)(np.array([1, 5]), np.array([3, 2]))
+        array([3, 5])
+    """
+    return _UFUNCS[op]
 
 
 def scratch(link: object, dtype: np.dtype, *counts: int) -> list[np.ndarray]:

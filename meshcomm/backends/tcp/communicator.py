@@ -31,7 +31,7 @@ import numpy as np
 from meshcomm.backends import algorithms
 from meshcomm.backends.algorithms import hierarchical
 from meshcomm.backends.algorithms.hierarchical import Layout
-from meshcomm.backends.base import Communicator
+from meshcomm.backends.base import Communicator, Runner
 from meshcomm.backends.tcp import wire
 from meshcomm.backends.tcp.hosts import HostView
 from meshcomm.backends.tcp.link import TcpLink
@@ -296,6 +296,39 @@ class TcpCommunicator(Communicator):
             hierarchical.all_reduce(self.link, recv, op, hosts, send=send)
         elif not self._cma.all_reduce(send, recv, op):
             algorithms.all_reduce(self.link, recv, op, send=send)
+
+    def runner(self, collective: str, dtype: np.dtype, arg: ReduceOp | int | None) -> Runner | None:
+        """The world's all_reduce runner where the board may serve it: a call of at most the
+        board's size goes to the board with no check (the plan checked its signature, and the
+        group layer hands C-contiguous arrays of one shape); every other call, and the
+        first, which agrees on the board, is :meth:`all_reduce_out` on flat views.
+
+        Example:
+            >>> TcpCommunicator.runner.__name__
+            'runner'
+        """
+        if (
+            collective != "all_reduce"
+            or not self._board_max
+            or not isinstance(arg, ReduceOp)
+            or not op_allowed(arg, dtype)
+        ):
+            return None
+        op: ReduceOp = arg
+        cma_min = self._cma.min_bytes
+        small = self._board_max if cma_min < 0 else min(self._board_max, cma_min - 1)
+        board_all_reduce, link, alarm = self._transport.board_all_reduce, self.link, self._alarm
+        flat = self.all_reduce_out
+
+        def run(send: np.ndarray, recv: np.ndarray) -> None:
+            nbytes = recv.nbytes
+            # _check's two conditions, then _on_board's verdict and size.
+            if self._board and 0 < nbytes <= small and alarm.reason is None and not self._closed:
+                board_all_reduce(send, recv, op, link.stamp)
+            else:
+                flat(send.reshape(-1), recv.reshape(-1), op)
+
+        return run
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._check("all_gather")

@@ -44,11 +44,11 @@ import; set it alike on every rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from meshcomm.backends.algorithms._common import combine_into
+from meshcomm.backends.algorithms._common import ufunc_of
 from meshcomm.backends.tcp.faults import Faults
 from meshcomm.backends.tcp.matching import Matching
 from meshcomm.backends.tcp.same_host.doorbell import (
@@ -56,6 +56,7 @@ from meshcomm.backends.tcp.same_host.doorbell import (
     BOARD_OFFSET,
     BOARD_SEQ_WORD,
     BOARD_STAMP_WORD,
+    Bell,
 )
 from meshcomm.backends.tcp.same_host.engine import ShmEngine
 from meshcomm.backends.tcp.same_host.platform import SharedMapping
@@ -82,6 +83,12 @@ def _env_max() -> int:
 
 
 _ENV_MAX = _env_max()
+#: How many call signatures' slot views a board keeps.
+_VIEWS_KEPT = 64
+#: Polls of a late member's word before the wait loop (a few microseconds).
+_QUICK_POLLS = range(48)
+#: Every member's slot views of one signature: ``[parity][member]``.
+_Views = tuple[tuple[np.ndarray, ...], ...]
 
 
 def board_max() -> int:
@@ -101,14 +108,25 @@ class Board:
         members: the members' global ranks, by communicator rank.
         rank: this process's communicator rank.
         seq: the number of board calls so far (the same on every member).
+        peer_bells: the other members' doorbells (rung when their owner may be asleep).
+        fence: a full memory fence (our sequence word before the loads of their flags).
+        last: the last call signature's dtype, shape and :meth:`views`.
+        last_op: the last op and its ufunc (:meth:`ufunc`).
     """
 
     def __init__(
-        self, members: Sequence[int], rank: int, mappings: Sequence[SharedMapping]
+        self,
+        members: Sequence[int],
+        rank: int,
+        mappings: Sequence[SharedMapping],
+        peer_bells: Sequence[Bell] = (),
+        fence: Callable[[], None] = lambda: None,
     ) -> None:
         self.members = tuple(members)
         self.rank = rank
         self.seq = 0
+        self.peer_bells = tuple(peer_bells)
+        self.fence = fence
         # Views of our own (holding them keeps a mapping alive if a peer's goes away under us:
         # its bytes are then read, never a closed map).
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
@@ -116,6 +134,14 @@ class Board:
         self.stamps: list[memoryview] = []
         # The others' communicator ranks (their stamps are compared with ours).
         self.others = [j for j in range(len(self.members)) if j != rank]
+        # Typed views of every member's slots by (dtype, shape): a call signature's views are
+        # made once, not three per call (at 8 bytes each costs as much as the copy it serves).
+        self._views: dict[tuple[np.dtype, tuple[int, ...]], _Views] = {}
+        # The last signature's, compared by identity and tuple equality (hashing a dtype
+        # costs more than the comparison).
+        self.last: tuple[np.dtype | None, tuple[int, ...], _Views] = (None, (), ((), ()))
+        # The last op's ufunc (a ReduceOp hashes in Python, so a dict lookup is a call).
+        self.last_op: tuple[ReduceOp | None, np.ufunc] = (None, np.add)
         for m in mappings:
             raw = m.data(BOARD_OFFSET, 2 * BOARD_BYTES)
             arr = np.frombuffer(raw, np.uint8)
@@ -124,6 +150,33 @@ class Board:
             self.seqs.append(word)
             self.stamps.append(m.data(8 * BOARD_STAMP_WORD, 16).cast("Q"))
         self.seq = int(self.seqs[rank][0])  # 0 for a new doorbell; the same on all members
+
+    def views(self, dtype: np.dtype, shape: tuple[int, ...]) -> _Views:
+        """Every member's slot ``0`` and ``1`` as arrays of ``dtype`` and ``shape`` (at most
+        ``BOARD_BYTES``): ``views(...)[parity][member]``."""
+        last = self.last
+        if last[0] is dtype and last[1] == shape:
+            return last[2]
+        key = (dtype, shape)
+        got = self._views.get(key)
+        if got is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()  # many signatures: start over rather than grow
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            got = self._views[key] = tuple(
+                tuple(s[p][:nbytes].view(dtype).reshape(shape) for s in self.slots) for p in (0, 1)
+            )
+        self.last = (dtype, shape, got)
+        return got
+
+    def ufunc(self, op: ReduceOp) -> np.ufunc:
+        """The ufunc that combines two operands of ``op`` (a primitive op)."""
+        last = self.last_op
+        if last[0] is op:
+            return last[1]
+        ufunc = ufunc_of(op)
+        self.last_op = (op, ufunc)
+        return ufunc
 
 
 class BoardAllReduce:
@@ -178,15 +231,17 @@ class BoardAllReduce:
         mappings = [b.mapping for b in bells if b is not None]
         if len(mappings) != len(bells):  # pragma: no cover - local_ok said they exist
             raise CommError(f"rank {self.rank}: a member's doorbell is not mapped")
-        self.board = Board(members, rank, mappings)
+        peers = [b for g, b in zip(members, bells, strict=True) if g != self.rank and b]
+        self.board = Board(members, rank, mappings, peers, bell.own_bell().fence)
         return self.board
 
     # -- the call ---------------------------------------------------------------------------
     def run(
         self, board: Board, send: np.ndarray, recv: np.ndarray, op: ReduceOp, stamp: int | None
     ) -> None:
-        """Reduce ``send`` of every member into ``recv`` (flat, same dtype and size, at most
-        ``BOARD_BYTES``; ``send`` may be ``recv``); the transport holds its lock.
+        """Reduce ``send`` of every member into ``recv`` (C-contiguous, of one dtype and
+        shape, at most ``BOARD_BYTES``; ``send`` may be ``recv``); the transport holds its
+        lock.
 
         ``stamp``: the call's stamp (:mod:`meshcomm.diagnostics.fingerprint`), or None. It goes next
         to the contribution; every member compares every member's after the wait, and a
@@ -208,39 +263,47 @@ class BoardAllReduce:
                 matching.scan_strays(0)
             mark = stamp + 1
         gone = self._faults.gone
-        for g in board.members:
-            if g in gone:
-                raise self._faults.gone_error(g, "all_reduce with")
+        if gone:
+            for g in board.members:
+                if g in gone:
+                    raise self._faults.gone_error(g, "all_reduce with")
         k = board.seq + 1
         parity = k & 1
+        dtype, shape, last = recv.dtype, recv.shape, board.last
+        both = last[2] if last[0] is dtype and last[1] == shape else board.views(dtype, shape)
+        views = both[parity]
         me = board.rank
-        nbytes = recv.nbytes
-        board.slots[me][parity][:nbytes] = send.view(np.uint8)
+        views[me][...] = send
         board.stamps[me][parity] = mark
         board.seqs[me][0] = k  # publishes the bytes above (TSO: stores stay in order)
         board.seq = k
-        bell = self._rings.doorbell
-        assert bell is not None  # a board exists only with a doorbell
-        bell.own_bell().fence()  # our word before the loads of the peers' flags (Dekker)
-        for g in board.members:
-            if g != self.rank:
-                pb = bell.peer_bell(g)
-                if pb is not None and pb.armed():
-                    pb.ring()
-        self._wait(board, k)
+        board.fence()  # our word before the loads of the peers' flags (Dekker)
+        for pb in board.peer_bells:
+            if pb.armed():
+                pb.ring()
+        seqs = board.seqs
+        for j in board.others:
+            word = seqs[j]
+            if word[0] < k:
+                # A member a little behind (the usual case where every rank has a core) is
+                # met by a few plain polls, without the wait loop's setup.
+                for _ in _QUICK_POLLS:
+                    if word[0] >= k:
+                        break
+                else:
+                    self._wait(board, k)
+                    break
         if mark:
             stamps = board.stamps
             for j in board.others:
                 theirs = stamps[j][parity]
                 if theirs != mark and theirs:
                     raise matching.mismatch(0, board.members[j], -2 - (theirs - 1))
-        dtype = recv.dtype
-        slots = board.slots
-        combine_into(
-            op, slots[0][parity][:nbytes].view(dtype), slots[1][parity][:nbytes].view(dtype), recv
-        )
-        for j in range(2, len(board.members)):
-            combine_into(op, recv, slots[j][parity][:nbytes].view(dtype), recv)
+        last_op = board.last_op
+        ufunc = last_op[1] if last_op[0] is op else board.ufunc(op)
+        ufunc(views[0], views[1], out=recv)
+        for j in range(2, len(views)):
+            ufunc(recv, views[j], out=recv)
 
     def _wait(self, board: Board, k: int) -> None:
         seqs = board.seqs

@@ -93,7 +93,10 @@ def _libatomic_fence() -> Any:
         fence = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
     except (OSError, AttributeError):
         return None
-    fence.argtypes, fence.restype = [ctypes.c_int], None
+    # No argtypes: ctypes passes a Python int as a C int by default, which is the argument's
+    # type, and the argtypes converter cost as much as the rest of the call (the board and
+    # the rings fence on every publication).
+    fence.restype = None
     return fence
 
 
