@@ -11,7 +11,11 @@ calls, after a barrier) for a float32 all_reduce of ``--bytes`` bytes (default 8
 * ``exchange``: the bare ``Link.exchange`` steps recursive doubling does at world 2 (one
   send and one receive with rank ^ 1), at world 2 only;
 * ``algorithms``: ``meshcomm.backends.algorithms.all_reduce`` on the link;
+* ``mpi4py``, ``iallreduce`` (the mpi backend only): raw ``Allreduce`` into a fixed buffer,
+  and ``Iallreduce`` polled with ``Test`` (what the runner calls);
 * ``comm``: ``Communicator.all_reduce`` (the backend's checks on top);
+* ``runner``: the backend's runner of the signature into a fixed buffer, where it offers one
+  (what the group layer's plan calls);
 * ``group``: ``ProcessGroup.all_reduce`` (argument checks, snapshot, result, engine);
 * ``psum``: ``meshcomm.ops.psum`` over a 1-D mesh (axis resolution, pytree handling).
 """
@@ -41,6 +45,12 @@ def _time(fn: Callable[[], object], iters: int, barrier: Callable[[], object]) -
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def _complete(request: object) -> None:
+    test = request.Test  # type: ignore[attr-defined]
+    while not (test() or test() or test()):
+        pass
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=2000)
@@ -62,7 +72,16 @@ def main() -> None:
         layers["exchange"] = lambda: link.exchange([(peer, buf)], [(peer, spare)])
     if link is not None:
         layers["algorithms"] = lambda: algorithms.all_reduce(link, buf, ReduceOp.SUM)
+    mpi_comm = getattr(comm, "mpi_comm", None)
+    if mpi_comm is not None:
+        # Raw mpi4py into a fixed buffer (mpi4py_bench.py's call), then its nonblocking form
+        # polled the way the runner polls: what MPI itself costs under the layers.
+        layers["mpi4py"] = lambda: mpi_comm.Allreduce(x, spare)
+        layers["iallreduce"] = lambda: _complete(mpi_comm.Iallreduce(x, spare))
     layers["comm"] = lambda: comm.all_reduce(buf, ReduceOp.SUM)
+    runner = comm.runner("all_reduce", x.dtype, ReduceOp.SUM)
+    if runner is not None:
+        layers["runner"] = lambda: runner(x, spare)
     layers["group"] = lambda: group.all_reduce(x)
     layers["psum"] = lambda: ops.psum(x, "x", mesh=mesh)
     # Make every group (and connection) before timing.
