@@ -52,7 +52,7 @@ Example:
 
 from __future__ import annotations
 
-from meshcomm.ops import _torch_stage
+from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops.casts import pcast
 from meshcomm.ops.gathers import all_gather, all_to_all, psum_scatter
 from meshcomm.ops.indexing import axis_index, axis_size
@@ -61,6 +61,16 @@ from meshcomm.ops.pytree import tree_flatten, tree_unflatten
 from meshcomm.ops.reductions import all_reduce, pmax, pmean, pmin, pprod, psum
 
 _torch_stage.arm()  # ready for torch.compile once torch's compiler is loaded
+# The backward rules call these ops; their modules import the rules, so the ops are handed
+# over from here rather than imported there.
+_transpose.use(
+    pcast=pcast,
+    psum=psum,
+    all_gather=all_gather,
+    psum_scatter=psum_scatter,
+    all_to_all=all_to_all,
+    ppermute=ppermute,
+)
 
 __all__ = [
     "all_gather",

@@ -29,6 +29,7 @@ from typing import Any
 
 from meshcomm.common.after_import import after_import
 from meshcomm.errors import InvalidArgument
+from meshcomm.ops._pairs import checked_pairs, shuffle_pairs
 from meshcomm.ops._resolve import resolve
 from meshcomm.ops._torch_names import group_name
 
@@ -127,7 +128,6 @@ def _lower(op: str, x: Any, axis_name: Any, params: dict[str, Any]) -> Any:
     import torch
     import torch.utils._pytree as pytree
 
-    from meshcomm.ops import permutes
     from meshcomm.ops._checks import index_arg
 
     mesh = params.pop("mesh", None)
@@ -146,10 +146,10 @@ def _lower(op: str, x: Any, axis_name: Any, params: dict[str, Any]) -> Any:
         if args[1] is not None:
             args = (args[0], float(args[1]))
     elif op == "ppermute":
-        pairs = permutes.checked_pairs(axis.where, params["perm"], axis.size, "ppermute")
+        pairs = checked_pairs(axis.where, params["perm"], axis.size, "ppermute")
         args = (tuple(v for pair in pairs for v in pair),)
     elif op == "pshuffle":
-        pairs = permutes.shuffle_pairs(axis.where, params["perm"], axis.size)
+        pairs = shuffle_pairs(axis.where, params["perm"], axis.size)
         target, args = "ppermute", (tuple(v for pair in pairs for v in pair),)
     elif op == "pbroadcast":
         args = (index_arg(axis.where, params["source"], axis.size, "source"),)

@@ -19,11 +19,12 @@ forward                    backward (of the cotangent ``ct``)
 =========================  ==================================================================
 
 Each rule runs on the mesh and axis captured when the op ran forward (the backward pass
-usually runs outside ``with mesh:``), by calling the public ops, so it is differentiable
-again (second-order gradients) except where it reads ``x == y``. Where JAX casts an
-invariant cotangent to varying (the transposes of psum, pmean, pmax, pbroadcast), a
-backward that builds a graph calls ``pcast(ct, to="varying")``, so its own backward sums
-over the axis as JAX's does; a plain backward skips the copy.
+usually runs outside ``with mesh:``), by calling the public ops (which :mod:`meshcomm.ops`
+hands over through :func:`use` once they are defined: their modules import this one), so
+it is differentiable again (second-order gradients) except where it reads ``x == y``.
+Where JAX casts an invariant cotangent to varying (the transposes of psum, pmean, pmax,
+pbroadcast), a backward that builds a graph calls ``pcast(ct, to="varying")``, so its own
+backward sums over the axis as JAX's does; a plain backward skips the copy.
 
 Example:
     >>> inverse_pairs(((0, 1), (1, 2), (2, 0)))
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from meshcomm.mesh import DeviceMesh
 
 __all__ = [
+    "OPS",
+    "PublicOps",
     "all_gather_t",
     "all_to_all_t",
     "identity_t",
@@ -53,7 +56,42 @@ __all__ = [
     "psum_scatter_t",
     "psum_t",
     "scale_t",
+    "use",
 ]
+
+
+class PublicOps:
+    """The public ops the rules call, set by :func:`use`.
+
+    Attributes:
+        pcast, psum, all_gather, psum_scatter, all_to_all, ppermute: the ops of
+            :mod:`meshcomm.ops` of those names.
+    """
+
+    pcast: Callable[..., Any]
+    psum: Callable[..., Any]
+    all_gather: Callable[..., Any]
+    psum_scatter: Callable[..., Any]
+    all_to_all: Callable[..., Any]
+    ppermute: Callable[..., Any]
+
+
+#: The ops the rules call; :mod:`meshcomm.ops` fills it on import, before any op can run.
+OPS = PublicOps()
+
+
+def use(**ops: Callable[..., Any]) -> None:
+    """Hand the rules the public ops they call (see :class:`PublicOps`).
+
+    Example:
+        >>> import meshcomm.ops
+        >>> OPS.psum is meshcomm.ops.psum
+        True
+    """
+    for name, op in ops.items():
+        if name not in PublicOps.__annotations__:
+            raise TypeError(f"the backward rules call no op named {name!r}")
+        setattr(OPS, name, op)
 
 
 def inverse_pairs(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
@@ -94,11 +132,10 @@ def _vary(cts: list[Any], axis_name: Any, mesh: DeviceMesh) -> list[Any]:
     backward passes the cotangents through without a copy.
     """
     from meshcomm.ops._autodiff import grad_kind
-    from meshcomm.ops.casts import pcast
 
     if grad_kind(cts, "backward") is None:
         return cts
-    return list(pcast(cts, axis_name, to="varying", mesh=mesh))
+    return list(OPS.pcast(cts, axis_name, to="varying", mesh=mesh))
 
 
 def identity_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
@@ -118,18 +155,15 @@ def scale_t(factor: Any, axis_name: Any = (), mesh: DeviceMesh | None = None) ->
 
 def psum_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
     """The transpose of ``pcast(to="varying")``: a psum of the cotangents."""
-    from meshcomm.ops.reductions import psum
-
-    return lambda cts, xs, ys: psum(cts, axis_name, mesh=mesh)
+    return lambda cts, xs, ys: OPS.psum(cts, axis_name, mesh=mesh)
 
 
 def pextreme_t(axis_name: Any, mesh: DeviceMesh) -> Transpose:
     """The transpose of ``pmax`` / ``pmin``: the cotangent to the winners, ties shared."""
-    from meshcomm.ops.reductions import psum
 
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         won = [_cast_like(x == y, c) for c, x, y in zip(cts, xs, ys, strict=True)]
-        winners = psum(won, axis_name, mesh=mesh)
+        winners = OPS.psum(won, axis_name, mesh=mesh)
         cts = _vary(cts, axis_name, mesh)
         return [c * w / k for c, w, k in zip(cts, won, winners, strict=True)]
 
@@ -152,13 +186,12 @@ def _by_axes(
 
 def all_gather_t(axis_name: Any, mesh: DeviceMesh, axis: int, tiled: bool) -> Transpose:
     """The transpose of ``all_gather``: ``psum_scatter`` at the gathered axis."""
-    from meshcomm.ops.gathers import psum_scatter
 
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         return _by_axes(
             cts,
             lambda c: (axis % c.ndim,),
-            lambda leaves, ax: psum_scatter(
+            lambda leaves, ax: OPS.psum_scatter(
                 leaves, axis_name, scatter_dimension=ax, tiled=tiled, mesh=mesh
             ),
         )
@@ -168,14 +201,13 @@ def all_gather_t(axis_name: Any, mesh: DeviceMesh, axis: int, tiled: bool) -> Tr
 
 def psum_scatter_t(axis_name: Any, mesh: DeviceMesh, dim: int, tiled: bool) -> Transpose:
     """The transpose of ``psum_scatter``: ``all_gather`` at the scattered axis."""
-    from meshcomm.ops.gathers import all_gather
 
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         ndim_in = (lambda c: c.ndim) if tiled else (lambda c: c.ndim + 1)
         return _by_axes(
             cts,
             lambda c: (dim % ndim_in(c),),
-            lambda leaves, ax: all_gather(leaves, axis_name, axis=ax, tiled=tiled, mesh=mesh),
+            lambda leaves, ax: OPS.all_gather(leaves, axis_name, axis=ax, tiled=tiled, mesh=mesh),
         )
 
     return rule
@@ -185,13 +217,12 @@ def all_to_all_t(
     axis_name: Any, mesh: DeviceMesh, split_axis: int, concat_axis: int, tiled: bool
 ) -> Transpose:
     """The transpose of ``all_to_all``: ``all_to_all`` with the two axes swapped."""
-    from meshcomm.ops.gathers import all_to_all
 
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         return _by_axes(
             cts,
             lambda c: (split_axis % c.ndim, concat_axis % c.ndim),
-            lambda leaves, split, concat: all_to_all(
+            lambda leaves, split, concat: OPS.all_to_all(
                 leaves, axis_name, concat, split, tiled=tiled, mesh=mesh
             ),
         )
@@ -201,18 +232,15 @@ def all_to_all_t(
 
 def ppermute_t(axis_name: Any, mesh: DeviceMesh, pairs: tuple[tuple[int, int], ...]) -> Transpose:
     """The transpose of ``ppermute`` (and ``pshuffle``): the inverse permutation."""
-    from meshcomm.ops.permutes import ppermute
-
     back = inverse_pairs(pairs)
-    return lambda cts, xs, ys: ppermute(cts, axis_name, back, mesh=mesh)
+    return lambda cts, xs, ys: OPS.ppermute(cts, axis_name, back, mesh=mesh)
 
 
 def pbroadcast_t(axis_name: Any, mesh: DeviceMesh, source: int, index: int) -> Transpose:
     """The transpose of ``pbroadcast``: the sum of the cotangents, to the source only."""
-    from meshcomm.ops.reductions import psum
 
     def rule(cts: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
-        total = _vary(psum(cts, axis_name, mesh=mesh), axis_name, mesh)
+        total = _vary(OPS.psum(cts, axis_name, mesh=mesh), axis_name, mesh)
         return total if index == source else [_zeroed(t) for t in total]
 
     return rule

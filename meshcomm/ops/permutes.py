@@ -22,17 +22,16 @@ Example:
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshcomm.errors import InvalidArgument
 from meshcomm.ops import _torch_stage, _transpose
 from meshcomm.ops._autodiff import Call, apply, grad_kind
 from meshcomm.ops._calls import Collectives
 from meshcomm.ops._checks import index_arg
+from meshcomm.ops._pairs import checked_pairs, shuffle_pairs
 from meshcomm.ops._resolve import AxisName, resolve
 from meshcomm.ops.pytree import Kernel, array_namespace, run
 
@@ -79,43 +78,6 @@ class _Broadcast(Kernel):
 
     def unpack(self, result: Any, cols: slice, meta: Any) -> Any:
         return result[cols].reshape(meta)
-
-
-def checked_pairs(where: str, perm: Any, size: int, name: str) -> tuple[tuple[int, int], ...]:
-    """``perm`` as ``(source, destination)`` int pairs, checked against the axis size."""
-    try:
-        pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
-    except (TypeError, ValueError):
-        raise InvalidArgument(
-            f"{where}: perm must be a sequence of (source, destination) int pairs, got {perm!r}"
-        ) from None
-    for s, d in pairs:
-        for role, v in (("source", s), ("destination", d)):
-            if not 0 <= v < size:
-                raise InvalidArgument(
-                    f"{where}: perm {role} {v} is out of range: axis indices are in "
-                    f"[0, {size}), perm={list(pairs)}"
-                )
-    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
-    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise InvalidArgument(
-            f"{where}: {name} sources and destinations must be unique, got {list(pairs)}"
-        )
-    return pairs
-
-
-def shuffle_pairs(where: str, perm: Any, size: int) -> tuple[tuple[int, int], ...]:
-    """``pshuffle``'s ``perm`` (index ``i`` gets the ``x`` of ``perm[i]``) as ppermute pairs."""
-    try:
-        sources = [operator.index(p) for p in perm]
-    except TypeError:
-        raise InvalidArgument(f"{where}: perm must be a sequence of ints, got {perm!r}") from None
-    if sorted(sources) != list(range(size)):
-        raise InvalidArgument(
-            f"{where}: `perm` does not represent a permutation of range({size}) "
-            f"(the axis size): {list(sources)}"
-        )
-    return tuple((s, i) for i, s in enumerate(sources))
 
 
 def ppermute(
