@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 
 __all__ = [
+    "KNOWN_LAZY_BACK_EDGES",
+    "KNOWN_TYPE_ONLY_CIRCLES",
     "LAYERS",
     "Edge",
     "import_graph",
@@ -104,6 +106,33 @@ _SHRINKING = {
     "meshcomm.group.process_group": "one issuer path, issue 34 item 2",
     "meshcomm.backends.tcp.wire": "the tcp wire split, issue 34 item 4",
 }
+
+
+# Lazy imports that close a circle, left on purpose or owned by work in progress:
+KNOWN_LAZY_BACK_EDGES: tuple[tuple[str, str], ...] = (
+    # DeviceMesh.to_torch is a convenience for meshcomm.c10d.to_torch_mesh (the mesh layer
+    # does not need torch; the call does).
+    ("meshcomm.mesh", "meshcomm.c10d"),
+    # new_group's default group is the world's (issue 34 item 2 rewrites the group).
+    ("meshcomm.group.process_group", "meshcomm.world"),
+    # The tcp alarm announces a mismatch through the responders' request keys.
+    ("meshcomm.backends.tcp.alarm", "meshcomm.diagnostics.responder"),
+    # The native kinds stage a jax tracer (issue 34 item 3 decides routes in one place).
+    ("meshcomm.ops._native", "meshcomm.ops._jax_jit"),
+    ("meshcomm.group.staging", "meshcomm.group.routes"),
+)
+
+# Circles that close only through type-only imports, still to be cut by a Protocol:
+KNOWN_TYPE_ONLY_CIRCLES: tuple[tuple[str, ...], ...] = (
+    (
+        "meshcomm.diagnostics.call_checks",
+        "meshcomm.diagnostics.mpi_history",
+        "meshcomm.group.issuing",
+        "meshcomm.group.process_group",
+        "meshcomm.group.subgroups",
+    ),
+    ("meshcomm.backends.tcp.link", "meshcomm.backends.tcp.transport"),
+)
 
 
 @dataclass(frozen=True)
@@ -450,14 +479,33 @@ def test_top_level_is_small() -> None:
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
 
 
-def test_lazy_back_edges_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
-    # Not (yet) a rule: a lazy import is how the torch and jax hooks reach the group without
-    # importing it eagerly. The count is printed so a reviewer sees it grow.
-    edges = lazy_back_edges()
+def test_no_new_lazy_back_edge() -> None:
+    # A lazy import that closes a circle is a circle in spirit; these are the known ones.
+    found = {(e.source, e.target) for e in lazy_back_edges()}
+    new = sorted(found - set(KNOWN_LAZY_BACK_EDGES))
+    assert new == [], (
+        "lazy imports that close a circle (pass the upper module's function down, or "
+        f"register it from above): {new}"
+    )
+
+
+def test_no_new_type_only_circle() -> None:
+    # A type-only back reference goes through a Protocol in a leaf module (GroupView,
+    # OrderedMesh, StagedCall); these circles are known and shrinking.
+    new = [
+        c
+        for c in type_only_circles()
+        if not any(set(c) <= set(known) for known in KNOWN_TYPE_ONLY_CIRCLES)
+    ]
+    assert new == [], f"circles closed by type-only imports: {new}"
+
+
+def test_counts_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
-        print(f"\nlazy imports that close a circle: {len(edges)}")
-        print(f"circles closed by type-only imports: {len(type_only_circles())}")
-    assert all(e.lazy for e in edges)
+        print(
+            f"\nlazy imports that close a circle: {len(lazy_back_edges())}; "
+            f"circles closed by type-only imports: {len(type_only_circles())}"
+        )
 
 
 def _over_limit() -> dict[str, int]:
