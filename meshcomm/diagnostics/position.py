@@ -2,12 +2,11 @@
 
 A *head* is what a rank can say about itself in a few hundred bytes: for every group of its
 world, the last collective it completed and the one it is in now (from each group's ledger,
-:mod:`meshcomm.diagnostics.ledger`), how long since it last called any collective, and the innermost
-frames of *your* code on its main thread. Hang verdicts (:mod:`meshcomm.diagnostics.hang_verdict`,
-through
-:mod:`meshcomm.diagnostics.responder`) and meshrun's report
-(:mod:`meshcomm.diagnostics.signal_report`) are made from
-heads; :func:`parse` bounds what it accepts, so a hostile or corrupt value costs nothing.
+:mod:`meshcomm.diagnostics.ledger`), how long since it last called any collective, and the
+innermost frames of *your* code on its main thread. Hang verdicts
+(:mod:`meshcomm.diagnostics.hang_verdict`, through :mod:`meshcomm.diagnostics.responder`) and
+meshrun's report (:mod:`meshcomm.diagnostics.signal_report`) are made from heads;
+:func:`parse` bounds what it accepts, so a hostile or corrupt value costs nothing.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator
