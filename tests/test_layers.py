@@ -14,9 +14,10 @@ module, else to ``a``, or to the module ``a`` re-exports ``b`` from lazily (a pa
 in ``__getattr__``). The parent packages Python initialises on the way are not edges, as in
 import-linter and pydeps: every module would otherwise depend on ``meshcomm/__init__``.
 
-Run it as a script for the report (strongly connected components, lazy back-edges, layers)::
+Run it as a script for the report (strongly connected components, lazy back-edges, layers);
+``--lazy`` also lists every function-level import::
 
-    python tests/test_layers.py
+    python tests/test_layers.py [--lazy]
 """
 
 from __future__ import annotations
@@ -504,7 +505,7 @@ def test_no_module_is_over_800_lines() -> None:
     assert _over_limit() == {}, "split these modules by what they do"
 
 
-def _report() -> None:
+def _report(lazy: bool) -> None:
     graph = import_graph()
     print(f"modules: {len(_modules())}, top level: {len(list(PACKAGE.glob('*.py')))}")
     print(
@@ -531,8 +532,13 @@ def _report() -> None:
     for e in upward:
         print(f"  {e.source}:{e.line} -> {e.target}")
     print(f"over {MAX_MODULE_LINES} lines: {_over_limit()}")
+    if lazy:
+        print("function-level imports:")
+        for e in graph:
+            if e.lazy:
+                print(f"  {e.source}:{e.line} -> {e.target}")
 
 
 if __name__ == "__main__":
-    _report()
+    _report(lazy="--lazy" in sys.argv[1:])
     sys.exit(0)
