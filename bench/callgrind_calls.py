@@ -8,14 +8,16 @@ Rank 0 runs under ``valgrind --tool=callgrind`` and rank 1 runs normally; each l
 run twice, with ``--calls`` N1 and N2 timed calls after the same warm-up, and the difference
 of rank 0's instruction totals over ``N2 - N1`` is the count of one call (start-up, imports
 and the warm-up cancel out). Under valgrind rank 0 is some 50x slower than its peer, so it
-almost never waits (on tcp the peer polls without sleeping): the count is the call's own
-work, not the spinning of a wait. The
+almost never waits: on tcp the peer polls without sleeping, and rank 0 sleeps
+``--pause-us`` before each call (the peer is then there first under load too), so the count
+is the call's own work, not the polls of a wait. The ``pause`` layer (an empty call) counts
+what the loop and the sleep cost; subtract it from the others. The
 functions whose inclusive counts grew most per call are listed with ``--top``.
 
 Layers (see ``bench/overhead.py``): ``group`` (``ProcessGroup.all_reduce``), ``runner``
 (the backend's runner of the signature into a fixed buffer, else
 ``Communicator.all_reduce_out`` on flat arrays), ``comm`` (``Communicator.all_reduce`` in
-place), ``mpi4py`` (raw ``Allreduce`` into a fixed buffer; mpi only).
+place), ``mpi4py`` (raw ``Allreduce`` into a fixed buffer; mpi only), ``pause`` (nothing).
 
 The child mode (``--child LAYER N``) is what each rank runs.
 """
@@ -38,8 +40,11 @@ __all__ = ["main"]
 _WARMUP = 300
 
 
-def _child(layer: str, calls: int) -> None:
-    """One rank: warm up, then ``calls`` calls of ``layer``, between two barriers."""
+def _child(layer: str, calls: int, pause_us: float) -> None:
+    """One rank: warm up, then ``calls`` calls of ``layer``, between two barriers; rank 0
+    sleeps ``pause_us`` before each call."""
+    import time
+
     import numpy as np
 
     from meshcomm import world
@@ -64,13 +69,21 @@ def _child(layer: str, calls: int) -> None:
     elif layer == "mpi4py":
         mpi_comm = comm.mpi_comm
         run = lambda: mpi_comm.Allreduce(x, out)  # noqa: E731
+    elif layer == "pause":
+        run = lambda: None  # noqa: E731
     else:
         raise SystemExit(f"unknown layer {layer!r}")
     for _ in range(_WARMUP):
         run()
     group.barrier()
-    for _ in range(calls):
-        run()
+    if group.rank == 0 and pause_us > 0:
+        sleep, seconds = time.sleep, pause_us * 1e-6
+        for _ in range(calls):
+            sleep(seconds)
+            run()
+    else:
+        for _ in range(calls):
+            run()
     group.barrier()
     world.shutdown()
 
@@ -85,9 +98,10 @@ def _valgrind(out: Path) -> list[str]:
     return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "-q"]
 
 
-def _count(backend: str, layer: str, calls: int, out: Path) -> None:
+def _count(backend: str, layer: str, calls: int, pause_us: float, out: Path) -> None:
     """Run world 2 with rank 0 under callgrind, writing its profile to ``out``."""
     me = [sys.executable, str(Path(__file__).resolve()), "--child", layer, str(calls)]
+    me += ["--pause-us", str(pause_us)]
     env = dict(os.environ, MESHCOMM_TIMEOUT="600", OMP_NUM_THREADS="1")
     if backend == "mpi":
         mpiexec = str(Path(sys.executable).parent / "mpiexec")
@@ -134,12 +148,18 @@ def main() -> None:
     p.add_argument("--backend", choices=["tcp", "mpi"], default="tcp")
     p.add_argument("--layers", nargs="+", default=["group", "runner"])
     p.add_argument("--calls", type=int, nargs=2, default=[200, 1200], metavar=("N1", "N2"))
+    p.add_argument(
+        "--pause-us",
+        type=float,
+        default=300.0,
+        help="rank 0 sleeps this long before each call, so that its peer is there first",
+    )
     p.add_argument("--top", type=int, default=0, help="list the N functions that grew most")
     p.add_argument("--keep", type=Path, default=None, help="keep the profiles in this folder")
     p.add_argument("--child", nargs=2, metavar=("LAYER", "N"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        _child(args.child[0], int(args.child[1]))
+        _child(args.child[0], int(args.child[1]), args.pause_us)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed")
@@ -149,7 +169,7 @@ def main() -> None:
     for layer in args.layers:
         paths = [folder / f"{args.backend}-{layer}-{n}.out" for n in (n1, n2)]
         for n, path in zip((n1, n2), paths, strict=True):
-            _count(args.backend, layer, n, path)
+            _count(args.backend, layer, n, args.pause_us, path)
         per_call = (_totals(paths[1]) - _totals(paths[0])) / (n2 - n1)
         print(f"{args.backend} {layer}: {per_call:,.0f} instructions per call", flush=True)
         if args.top:
