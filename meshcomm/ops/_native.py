@@ -20,9 +20,9 @@ cupy array             as is                          cupy array
 
 Which row a leaf takes is decided in :mod:`meshcomm.group.routes` (its kind, and whether a
 GPU leaf goes as a cupy view); this module makes the conversions. torch ``bfloat16`` goes
-through an ``int16`` view re-typed as ``ml_dtypes.bfloat16`` both
-ways (numpy has no bfloat16 of its own). A tensor with its conjugate or negative bit set is
-resolved first (one copy), as ``Tensor.numpy`` requires. torch and jax are never imported
+through an ``int16`` view re-typed as ``ml_dtypes.bfloat16`` both ways (numpy has no
+bfloat16 of its own). A tensor with its conjugate or negative bit set is resolved first (one
+copy), as ``Tensor.numpy`` requires. torch and jax are never imported
 here: a tensor can only arrive if the caller imported its library.
 
 Example:
