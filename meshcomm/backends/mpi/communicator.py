@@ -114,7 +114,6 @@ class MpiCommunicator(MpiRunners, Communicator):
         self._sends: list[MpiRequest] = []
         self._stash: list[tuple[int, int, np.ndarray]] = []
         self._pending: list[Any] = []
-        self._persistent: list[Any] | None = []  # the runners' (None: not offered)
         self.cuda_aware: bool | None = None
         self._reductions: dict[tuple[np.dtype, ReduceOp], Reduction] = {}
         self._closed = False
@@ -735,7 +734,6 @@ class MpiCommunicator(MpiRunners, Communicator):
             # their buffers; freeing them could only hang or crash.
             _LEAKED.append((self.mpi_comm, self._p2p, self._pending))
             return
-        self.free_persistent()
         for comm in (self._p2p, self.mpi_comm):
             with contextlib.suppress(self._error_type):
                 comm.Free()

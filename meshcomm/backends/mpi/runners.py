@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,17 +31,10 @@ from meshcomm.backends.mpi._types import Reduction
 from meshcomm.errors import CommTimeout, InvalidArgument
 from meshcomm.reduction import ReduceOp
 
-__all__ = ["COPY_SLICE", "PERSISTENT_MAX", "MpiRunners", "copy_while_sending"]
+__all__ = ["COPY_SLICE", "MpiRunners", "copy_while_sending"]
 
 COPY_SLICE = 256 << 10
 """Bytes the broadcast root copies between ``MPI_Test`` calls."""
-
-PERSISTENT_MAX = 16 << 10
-"""Largest all_reduce (bytes) that the runner runs as a persistent collective (two copies
-of its bytes per call against a schedule built once)."""
-
-#: Persistent all_reduces a runner keeps (one per shape).
-_PERSISTENT_KEPT = 16
 
 
 class _Comm(Protocol):
@@ -54,7 +46,6 @@ class _Comm(Protocol):
     _error_type: type[BaseException]
     _patience: Patience
     _pending: list[Any]
-    _persistent: list[Any] | None
     _closed: bool
     _reductions: dict[tuple[np.dtype, ReduceOp], Reduction]
 
@@ -75,15 +66,8 @@ class _Comm(Protocol):
     def _reduction(self, dtype: np.dtype, op: ReduceOp) -> Reduction: ...
 
     def _runner(
-        self,
-        what: str,
-        begin: Callable[[np.ndarray, np.ndarray], Any],
-        small: Callable[[np.ndarray, np.ndarray], bool] | None = None,
+        self, what: str, begin: Callable[[np.ndarray, np.ndarray], Any]
     ) -> Callable[[np.ndarray, np.ndarray], None]: ...
-
-    def _persistent_all_reduce(
-        self, dtype: np.dtype, init: Callable[..., Any], red: Reduction
-    ) -> Callable[[np.ndarray, np.ndarray], bool]: ...
 
     def all_reduce_runner(
         self, dtype: np.dtype, op: ReduceOp
@@ -127,9 +111,6 @@ class MpiRunners:
     """Runner methods of :class:`~meshcomm.backends.mpi.communicator.MpiCommunicator` (a
     mixin: each method works on the communicator it is called on)."""
 
-    #: The persistent collectives the runners made (None: this MPI offers none, or closed).
-    _persistent: list[Any] | None
-
     def all_reduce_runner(
         self: _Comm, dtype: np.dtype, op: ReduceOp
     ) -> Callable[[np.ndarray, np.ndarray], None]:
@@ -150,85 +131,18 @@ class MpiRunners:
         red = self._reductions.get((dtype, op)) or self._reduction(dtype, op)
         datatype, mpi_op, start = red.datatype, red.op, self.mpi_comm.Iallreduce
 
+        # Not a persistent collective (MPI_Allreduce_init once, MPI_Start per call), though at
+        # 8 bytes it cost 24k instructions a call in MPICH against Iallreduce's 89k: two
+        # ranks that disagree on the dtype of same-sized calls start two different
+        # persistent requests, which never match (a hang until the timeout), where
+        # Iallreduce completes and the signature checks name both calls
+        # (tests/test_mpi_verdicts.py).
+
         def begin(send: np.ndarray, recv: np.ndarray) -> Any:
             # [buffer, datatype]: mpi4py derives the count, faster than parsing a given one.
             return start([send, datatype], [recv, datatype], mpi_op)
 
-        init = getattr(self.mpi_comm, "Allreduce_init", None)
-        if init is None or self._persistent is None:  # MPI (or mpi4py) before MPI 4
-            return self._runner("all_reduce", begin)
-        return self._runner("all_reduce", begin, self._persistent_all_reduce(dtype, init, red))
-
-    def _persistent_all_reduce(
-        self: _Comm, dtype: np.dtype, init: Callable[..., Any], red: Reduction
-    ) -> Callable[[np.ndarray, np.ndarray], bool]:
-        """``small(send, recv)`` for the all_reduces of at most :data:`PERSISTENT_MAX` bytes:
-        a persistent all_reduce of the call's shape, made on the first call of that shape
-        (the same call on every rank: the calls match) and started again by each later one,
-        through two buffers of its own; False (nothing done) where this MPI has none.
-
-        Measured under callgrind at 8 bytes, world 2 (MPICH 5): ``MPI_Iallreduce`` with its
-        tests cost 89 k instructions a call, blocking ``MPI_Allreduce`` 33 k, and
-        ``MPI_Start`` of a persistent one with both copies 24 k: MPICH builds a nonblocking
-        collective's schedule anew for each call, and a persistent one once.
-        """
-        kept: dict[tuple[int, ...], tuple[Any, np.ndarray, np.ndarray]] = {}
-        datatype, mpi_op, error_type = red.datatype, red.op, self._error_type
-        copyto, poll_ = np.copyto, poll
-
-        def late() -> str:
-            return self._late("all_reduce")
-
-        def make(shape: tuple[int, ...]) -> tuple[Any, np.ndarray, np.ndarray] | None:
-            persistent = self._persistent
-            if persistent is None:
-                return None
-            if len(kept) >= _PERSISTENT_KEPT:
-                # Every rank drops the same one (the oldest): their calls are the same.
-                request = kept.pop(next(iter(kept)))[0]
-                persistent.remove(request)
-                request.Free()
-            sbuf, rbuf = np.empty(shape, dtype), np.empty(shape, dtype)
-            try:
-                request = init([sbuf, datatype], [rbuf, datatype], mpi_op)
-            except (NotImplementedError, error_type):
-                # No persistent collectives in this MPI: every later call is started (the
-                # same on every rank: one library).
-                self._persistent = None
-                return None
-            persistent.append(request)
-            slot = kept[shape] = (request, sbuf, rbuf)
-            return slot
-
-        def small(send: np.ndarray, recv: np.ndarray) -> bool:
-            shape = recv.shape
-            slot = kept.get(shape) or make(shape)
-            if slot is None:
-                return False
-            request, sbuf, rbuf = slot
-            copyto(sbuf, send)
-            try:
-                request.Start()
-                if not request.Test():
-                    poll_(request.Test, self.timeout, self._patience, late)
-            except BaseException:
-                # Still active: never started again, nor freed at close (a pending entry
-                # keeps it and its buffers alive, and the communicator too).
-                del kept[shape]
-                self._pending.append(([request], (sbuf, rbuf)))
-                raise
-            copyto(recv, rbuf)
-            return True
-
-        return small
-
-    def free_persistent(self: _Comm) -> None:
-        """Free the persistent collectives the runners made (before the communicator; they
-        are inactive: a call that timed out took its own out of the list)."""
-        persistent, self._persistent = self._persistent or [], None
-        for request in persistent:
-            with contextlib.suppress(self._error_type):
-                request.Free()
+        return self._runner("all_reduce", begin)
 
     def all_gather_runner(self: _Comm) -> Callable[[np.ndarray, np.ndarray], None]:
         """Return ``run(send, recv)``: :meth:`all_gather` for C-contiguous host arrays of any
@@ -321,17 +235,11 @@ class MpiRunners:
         raise InvalidArgument(f"{self._at('runner')}: no runner for {collective}({arg!r})")
 
     def _runner(
-        self: _Comm,
-        what: str,
-        begin: Callable[[np.ndarray, np.ndarray], Any],
-        small: Callable[[np.ndarray, np.ndarray], bool] | None = None,
+        self: _Comm, what: str, begin: Callable[[np.ndarray, np.ndarray], Any]
     ) -> Callable[[np.ndarray, np.ndarray], None]:
         """Wrap ``begin(send, recv) -> MPI request`` into a runner that completes it (poll,
         timeout, MPI errors as meshcomm errors; buffers kept alive if it never completes).
-        Like every primitive, it refuses to run once the communicator is closed.
-
-        ``small``: runs a call of at most :data:`PERSISTENT_MAX` bytes its own way instead
-        (True), or declines (False); its failures take the same path as ``begin``'s."""
+        Like every primitive, it refuses to run once the communicator is closed."""
         error_type = self._error_type
 
         def late() -> str:
@@ -342,8 +250,6 @@ class MpiRunners:
                 self._check(what)
             request = None
             try:
-                if small is not None and recv.nbytes <= PERSISTENT_MAX and small(send, recv):
-                    return
                 request = begin(send, recv)
                 if not request.Test():
                     poll(request.Test, self.timeout, self._patience, late)
