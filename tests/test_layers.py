@@ -58,25 +58,26 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "meshcomm.errors",
             "meshcomm.common",
             "meshcomm.reduction",
-            "meshcomm.topology",
-            "meshcomm.launch",  # what the launcher's environment says (ranks, MPI)
             "meshcomm.group.arrays",  # array kinds and dtypes, read by every backend
         ),
     ),
     ("store", ("meshcomm.store",)),
     (
-        "rendezvous",
+        "launch",  # what a launcher tells its ranks: the environment, and notes on each rank
         (
-            "meshcomm.rendezvous",
-            "meshcomm.launcher.exit_notes",  # the launcher's notes, read by the tcp blame
+            "meshcomm.launch",
+            "meshcomm.topology",  # this host's GPU links, read with the launch's local ranks
+            "meshcomm.launcher.exit_notes",  # read by the tcp backend's blame
             "meshcomm.launcher.processes",
         ),
     ),
     ("backends", ("meshcomm.backends",)),
+    ("rendezvous", ("meshcomm.rendezvous",)),
     ("diagnostics", ("meshcomm.diagnostics", "meshcomm.trace")),
     ("group", ("meshcomm.group", "meshcomm.work")),
-    ("mesh", ("meshcomm.mesh",)),
+    # The default world: its group, made from the rendezvous (the mesh's default group).
     ("world", ("meshcomm.world",)),
+    ("mesh", ("meshcomm.mesh",)),
     (
         "api",
         (
@@ -493,7 +494,8 @@ def test_counts_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(
             f"\nlazy imports that close a circle: {len(lazy_back_edges())}; "
-            f"circles closed by type-only imports: {len(type_only_circles())}"
+            f"circles closed by type-only imports: {len(type_only_circles())}; "
+            f"lazy imports of a higher layer: {len(_upward(e for e in import_graph() if e.lazy))}"
         )
 
 
@@ -530,6 +532,10 @@ def _report(lazy: bool) -> None:
     upward = _upward(e for e in graph if not e.lazy)
     print(f"module-level upward imports: {len(upward)}")
     for e in upward:
+        print(f"  {e.source}:{e.line} -> {e.target}")
+    lazy_up = _upward(e for e in graph if e.lazy)
+    print(f"function-level upward imports: {len(lazy_up)}")
+    for e in lazy_up:
         print(f"  {e.source}:{e.line} -> {e.target}")
     print(f"over {MAX_MODULE_LINES} lines: {_over_limit()}")
     if lazy:
