@@ -85,6 +85,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "meshcomm.distributed",
             "meshcomm.c10d",
             "meshcomm.backends.conformance",  # the conformance suite drives a ProcessGroup
+            # torch's entry point for the c10d backend: imports nothing, makes c10d on use.
+            "meshcomm.common.torch_autoload",
         ),
     ),
     (
