@@ -36,9 +36,7 @@ __all__ = ["arm", "register", "skipped_paths"]
 _RULES = "torch._dynamo.trace_rules"
 
 #: The modules and packages Dynamo may trace (paths under meshcomm/); everything else is skipped.
-TRACEABLE = frozenset(
-    {"__init__", "ops", "mesh/__init__", "mesh/drawing", "errors", "reduction"}
-)
+TRACEABLE = frozenset({"__init__", "ops", "mesh/__init__", "mesh/drawing", "errors", "reduction"})
 
 _DONE: list[bool] = []
 
