@@ -20,8 +20,8 @@ Example:
     ('all_reduce', dtype('float64'))
     >>> COLLECTIVES["all_reduce"].key(np.ones(2), "premul_sum", 2.0) is None  # lowered
     True
-    >>> sorted(name for name, c in COLLECTIVES.items() if c.key is not _unplanned)
-    ['all_gather', 'all_reduce', 'all_to_all', 'broadcast', 'reduce_scatter']
+    >>> sorted(name for name, c in COLLECTIVES.items() if c.key is _unplanned)
+    ['barrier', 'permute']
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Collective:
         lower_device: None where the collective moves no array (``barrier``).
         key: the plan key of a call on a numpy ``x``, or None: lowered per call (always,
             for a collective without a plan).
-        plan: ``plan(call, x, *args)``: the plan of a key (:class:`~meshcomm.group.plans.Plan`).
+        plan: ``plan(call, x, *args)``: the plan of a key (a
+            :class:`~meshcomm.group.plans.Plan`, or a rooted collective's
+            :class:`~meshcomm.group.plans.RootedPlan`).
         device_key: the plan key of a call on a device ``x``, or None.
         device_plan: ``device_plan(call, device_comm, xp, x, *args)``.
     """
@@ -89,7 +91,7 @@ class Collective:
         lower: Callable[..., _lower.Lowered],
         lower_device: Callable[..., _lower.Lowered] | None = None,
         key: Key = _unplanned,
-        plan: Callable[..., _plans.Plan] = _no_plan,
+        plan: Callable[..., Any] = _no_plan,
         device_key: Key = _unplanned,
         device_plan: Callable[..., _device_lower.DevicePlan] = _no_plan,
     ) -> None:
@@ -143,6 +145,20 @@ def _broadcast_key(x: Any, root: Any, shape: Any, dtype: Any) -> tuple[Any, ...]
     return None
 
 
+def _reduce_key(x: Any, root: Any, op: Any, factor: Any) -> tuple[Any, ...] | None:
+    return ("reduce", x.dtype, x.shape, root, op) if factor is None and type(root) is int else None
+
+
+def _gather_key(x: Any, root: Any) -> tuple[Any, ...] | None:
+    return ("gather", x.dtype, x.shape, root) if type(root) is int else None
+
+
+def _scatter_key(x: Any, root: Any, shape: Any, dtype: Any) -> tuple[Any, ...] | None:
+    if type(root) is int and shape is None and dtype is None:
+        return ("scatter", x.dtype, x.shape, root)
+    return None
+
+
 ALL_REDUCE = Collective(
     "all_reduce",
     _lower.all_reduce,
@@ -176,9 +192,11 @@ ALL_TO_ALL = Collective(
 BROADCAST = Collective(
     "broadcast", _lower.broadcast, _device_lower.broadcast, _broadcast_key, _plans.plan_broadcast
 )
-REDUCE = Collective("reduce", _lower.reduce, _device_lower.reduce)
-GATHER = Collective("gather", _lower.gather, _device_lower.gather)
-SCATTER = Collective("scatter", _lower.scatter, _device_lower.scatter)
+REDUCE = Collective("reduce", _lower.reduce, _device_lower.reduce, _reduce_key, _plans.plan_reduce)
+GATHER = Collective("gather", _lower.gather, _device_lower.gather, _gather_key, _plans.plan_gather)
+SCATTER = Collective(
+    "scatter", _lower.scatter, _device_lower.scatter, _scatter_key, _plans.plan_scatter
+)
 PERMUTE = Collective("permute", _lower.permute, _device_lower.permute)
 
 

@@ -177,6 +177,11 @@ class DevicePlan:
         "stamp_base",
     )
 
+    #: Runs on the device communicator.
+    on_device = True
+    #: Its runner returns the result (a host :class:`~meshcomm.group.plans.Plan`'s fills one).
+    fills = False
+
     def __init__(self, collective: str, fields: dict[str, Any], run: Callable[[Any], Any]):
         self.collective = collective
         self.fields = fields

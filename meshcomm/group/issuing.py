@@ -7,9 +7,11 @@ lowering contexts, and the group's one plan cache.
 The main route of a collective is :meth:`Issuer.call`: ``call -> route -> plan -> run``.
 The collective's description (:mod:`meshcomm.group.collectives`) gives the call's plan key;
 a call with a key runs the cached plan of its signature (made on its first call, with every
-check) with :meth:`Issuer.run_plan` (host) or :meth:`Issuer.run_device_plan` (device); a
-call without one (a ``premul_sum`` factor, a list, a rooted collective, a host copy of a
-device array) is lowered per call, a plan used once, and runs through :meth:`Issuer.issue`.
+check) with :meth:`Issuer.run_plan` (a plan that fills a fresh result) or
+:meth:`Issuer.run_returning` (a rooted collective's or a device call's, whose runner returns
+the result); a call without one (a ``premul_sum`` factor, a list, ``shape=`` off a root, a
+host copy of a device array) is lowered per call, a plan used once, and runs through
+:meth:`Issuer.issue`.
 
 Every call is **admitted** in one place (:meth:`Issuer._admit`: its sequence number and its
 ledger entry) and a failed one **settled** in one place (:meth:`Issuer._settle_failed`: the
@@ -60,8 +62,10 @@ if TYPE_CHECKING:
 __all__ = ["Issuer"]
 
 #: A plan of a host call or of a device call (both kept in one cache per group).
-_AnyPlan = TypeVar("_AnyPlan", _plans.Plan, _device_lower.DevicePlan)
-_Planned = _plans.Plan | _device_lower.DevicePlan
+_AnyPlan = TypeVar("_AnyPlan", _plans.Plan, _plans.RootedPlan, _device_lower.DevicePlan)
+#: A plan whose runner returns the call's result.
+_Returning = _plans.RootedPlan | _device_lower.DevicePlan
+_Planned = _plans.Plan | _Returning
 
 #: At most this many plans per group (a loop calls a few signatures; the oldest goes first).
 _PLANS = 256
@@ -143,7 +147,7 @@ class Issuer:
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
         # One plan per call signature (_plans.Plan), made on first use, dropped by close().
-        self.plans: dict[tuple[Any, ...], _plans.Plan | _device_lower.DevicePlan] = {}
+        self.plans: dict[tuple[Any, ...], _Planned] = {}
 
     def relabel(self, where: str) -> None:
         """Name this rank and group ``where`` in messages from now on."""
@@ -169,10 +173,12 @@ class Issuer:
             key = coll.key(x, *args)
             if key is not None:
                 try:
-                    plan: _plans.Plan = self.plans[key]  # type: ignore[assignment]
+                    plan: Any = self.plans[key]
                 except (KeyError, TypeError):  # a new signature (or an unhashable argument)
                     plan = self._new_plan(key, coll.plan, x, *args)
-                return self.run_plan(plan, x, async_op)
+                if plan.fills:
+                    return self.run_plan(plan, x, async_op)
+                return self.run_returning(plan, x, async_op)
         return self.lowered(coll, x, async_op, args)
 
     def call_noted(self, coll: Collective, note: Any, x: Any, async_op: bool, *args: Any) -> Any:
@@ -182,8 +188,10 @@ class Issuer:
         if type(x) is np.ndarray:
             key = coll.key(x, *args)
             if key is not None:
-                plan = self.plan((*key, note), _plans.noted, coll.plan, note, x, *args)
-                return self.run_plan(plan, x, async_op)
+                plan: Any = self.plan((*key, note), _plans.noted, coll.plan, note, x, *args)
+                if plan.fills:
+                    return self.run_plan(plan, x, async_op)
+                return self.run_returning(plan, x, async_op)
         return self.lowered(coll, x, async_op, args, note)
 
     def lowered(
@@ -199,7 +207,7 @@ class Issuer:
             key = coll.device_key(x, *args)
             if key is not None:
                 plan = self.plan(key, coll.device_plan, dev, xp, x, *args)
-                return self.run_device_plan(plan, x, async_op)
+                return self.run_returning(plan, x, async_op)
             c = self.enter(name)
             return self.issue_on_device(name, coll.lower_device(c, dev, xp, x, *args), async_op)
         c = self.enter(name)
@@ -401,31 +409,46 @@ class Issuer:
             plans[key] = plan
         return plan
 
-    def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
-        """Run a device call's ``plan`` on ``x`` (a C-contiguous device array of its
-        signature) on the caller's thread, as :meth:`issue_on_device` runs a lowered one.
+    def run_returning(self, plan: _Returning, x: Any, async_op: bool) -> Any:
+        """Run a plan whose runner returns the result: a device call's
+        (:class:`~meshcomm.group.device_lower.DevicePlan`, ``x`` a C-contiguous device array
+        of its signature, run on the caller's thread as :meth:`issue_on_device` runs a
+        lowered one) or a rooted collective's (:class:`~meshcomm.group.plans.RootedPlan`).
 
-        The fast case runs it inline (:meth:`_inline`; no stamp: device calls carry none).
-        A call that needs more (a ``DETAIL`` or first-call check, a trace) or finds the
-        engine taken goes through :meth:`issue_on_device` with the same runner.
+        The fast case runs it inline (:meth:`_inline`; a device call carries no stamp). A
+        call that needs more (a ``DETAIL`` or first-call check, a trace), an asynchronous
+        host call (it reads its own copy of ``x``, through the engine's queue) or one that
+        finds the engine taken goes through :meth:`issue` with the same runner.
         """
-        seen = self._device_seen
+        on_device = plan.on_device
+        seen = self._device_seen if on_device else self._seen
+        if not on_device and not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
         if (
             self.debug
             or _trace.active is not None
             or (seen is not None and plan.sig not in seen)
+            or (async_op and not on_device)
             or not self.engine.claim()
         ):
             run = plan.run
+            if async_op and not on_device:
+                x = x.copy()  # the caller may change ``x`` once the call is issued
 
             def body() -> Any:
                 return run(x)
 
-            return self.issue_on_device(plan.collective, (body, plan.fields), async_op)
+            if on_device:
+                return self.issue_on_device(plan.collective, (body, plan.fields), async_op)
+            return self.issue(plan.collective, (body, plan.fields), async_op)
         result = self._inline(plan, plan.run, x, None)
         if async_op:
             return self._device_work(plan.collective, result)
         return result
+
+    def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
+        """:meth:`run_returning` of a device call's ``plan`` (the name the tests know)."""
+        return self.run_returning(plan, x, async_op)
 
     def run_plan(
         self,

@@ -40,18 +40,22 @@ import numpy as np
 from meshcomm.backends.base import Communicator, Runner
 from meshcomm.diagnostics import fingerprint as _fingerprint
 from meshcomm.group import signatures as _sig
-from meshcomm.group.arrays import ScratchPool, blocks_view, joined_shape, unstack
+from meshcomm.group.arrays import ScratchPool, blocks_view, copy_into, joined_shape, unstack
 from meshcomm.group.signatures import COMPOSED, Call, input_array, primitive, rank_arg
 from meshcomm.reduction import ReduceOp
 
 __all__ = [
     "Plan",
+    "RootedPlan",
     "noted",
     "plan_all_gather",
     "plan_all_reduce",
     "plan_all_to_all",
     "plan_broadcast",
+    "plan_gather",
+    "plan_reduce",
     "plan_reduce_scatter",
+    "plan_scatter",
 ]
 
 
@@ -106,6 +110,9 @@ class Plan:
         "stamp_base",
     )
 
+    #: Its runner fills a fresh result (a :class:`RootedPlan`'s returns its own).
+    fills = True
+
     def __init__(
         self,
         collective: str,
@@ -127,9 +134,7 @@ class Plan:
         self.stamp_base = self.sig << _fingerprint.SEQ_BITS
 
 
-def noted(
-    c: Call, make: Callable[..., Plan], note: tuple[tuple[str, Any], ...], *args: Any
-) -> Plan:
+def noted(c: Call, make: Callable[..., Any], note: tuple[tuple[str, Any], ...], *args: Any) -> Any:
     """``make(c, *args)``'s plan with ``note`` added to its fingerprint fields: what the ops
     layer knows of the call beyond the group's arguments (the axes the user named, a packed
     pytree's structure: :mod:`meshcomm.ops._calls`), for the ledger's words and, where
@@ -149,6 +154,8 @@ def noted(
     """
     plan = make(c, *args)
     fields = {**plan.fields, **dict(note)}
+    if isinstance(plan, RootedPlan):
+        return RootedPlan(plan.collective, fields, plan.run)
     return Plan(plan.collective, fields, plan.run, plan.shape, plan.run_in_place)
 
 
@@ -331,3 +338,139 @@ def _placing_blocks(
         pool.give(base)  # not after a failure: the transport may still write it
 
     return run_placing
+
+
+# -- rooted collectives --------------------------------------------------------------------
+class RootedPlan:
+    """A rooted call signature (``reduce``, ``gather``, ``scatter`` of a numpy array on
+    every rank) lowered once: its runner returns this rank's result, None off the root of a
+    ``reduce`` or a ``gather`` (the way a :class:`~meshcomm.group.device_lower.DevicePlan`
+    returns its own: the issuer runs both with
+    :meth:`~meshcomm.group.issuing.Issuer.run_returning`).
+
+    Attributes:
+        collective: the operation name.
+        run: ``run(x)`` for a C-contiguous input of the signature: the call, its result.
+        fields: the call's fingerprint fields (``shape`` is a ``scatter``'s block, as the
+            lowering's).
+        ledger_fields: ``fields``.
+        sig: the call's signature, as the lowered call's.
+        stamp_base: ``sig`` in a stamp's high bits.
+        dtype: the arrays' dtype.
+        in_shape: ``fields["shape"]`` (what the ledger keeps).
+        on_device: False (a device plan's is True).
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> c = Call(SelfCommunicator(), ScratchPool(), "gather: rank 0")
+        >>> plan_gather(c, np.arange(2), 0).run(np.arange(2))
+        array([[0, 1]])
+    """
+
+    __slots__ = (
+        "collective",
+        "dtype",
+        "fields",
+        "in_shape",
+        "ledger_fields",
+        "run",
+        "sig",
+        "stamp_base",
+    )
+
+    #: Runs on the host communicator.
+    on_device = False
+    #: Its runner returns the result (a :class:`Plan`'s fills one).
+    fills = False
+
+    def __init__(self, collective: str, fields: dict[str, Any], run: Callable[[Any], Any]):
+        self.collective = collective
+        self.fields = self.ledger_fields = fields
+        self.run = run
+        self.dtype: np.dtype = fields["dtype"]
+        self.in_shape: tuple[int, ...] = fields["shape"]
+        self.sig = _fingerprint.signature_of(collective, fields, False)
+        self.stamp_base = self.sig << _fingerprint.SEQ_BITS
+
+
+def _native_input(run: Callable[[Any], Any], given: np.dtype, dt: np.dtype) -> Callable[[Any], Any]:
+    """``run`` reading a native-order copy of a byte-swapped input (as :func:`_native`)."""
+    if given == dt:
+        return run
+
+    def run_native(x: np.ndarray) -> Any:
+        return run(x.astype(dt))
+
+    return run_native
+
+
+def plan_reduce(c: Call, x: np.ndarray, root: Any, op: Any, factor: None = None) -> RootedPlan:
+    """The plan of a ``reduce`` of ``x`` (no factor): the input copied into the buffer the
+    wire reduces in place (the result on the root, scratch elsewhere)."""
+    r = rank_arg(c, root, "root")
+    arr, dt = input_array(c, x)
+    fields, _ = _sig.reduce(c, dt, arr.shape, r, op, factor)
+    rop = fields["reduce"]
+    comm, pool, results, size, shape = c.comm, c.pool, c.results, c.size, arr.shape
+    prim, count, average = primitive(rop), arr.size, rop is ReduceOp.AVG
+    run: Callable[[Any], Any]
+    if r == c.rank:
+
+        def run(x: np.ndarray) -> np.ndarray:
+            buf = results.take(dt, count)
+            copy_into(buf, x)
+            comm.reduce(buf, r, prim)
+            if average:
+                np.true_divide(buf, size, out=buf)
+            return buf.reshape(shape)
+
+    else:
+
+        def run(x: np.ndarray) -> None:
+            base, buf = pool.take(dt, (count,))
+            copy_into(buf, x)
+            comm.reduce(buf, r, prim)
+            pool.give(base)  # not after a failure: the transport may still read it
+
+    return RootedPlan("reduce", fields, run)
+
+
+def plan_gather(c: Call, x: np.ndarray, root: Any) -> RootedPlan:
+    """The plan of a ``gather`` of ``x``: sent where it lies, stacked on the root."""
+    r = rank_arg(c, root, "root")
+    arr, dt = input_array(c, x)
+    fields = _sig.gather(c, dt, arr.shape, r)
+    comm, results, size, shape = c.comm, c.results, c.size, arr.shape
+    run: Callable[[Any], Any]
+    if r == c.rank:
+        count = size * arr.size
+
+        def run(x: np.ndarray) -> np.ndarray:
+            recv = results.take(dt, count)
+            comm.gather(x.reshape(-1), recv, r)
+            return recv.reshape((size, *shape))
+
+    else:
+
+        def run(x: np.ndarray) -> None:
+            comm.gather(x.reshape(-1), None, r)
+
+    return RootedPlan("gather", fields, _native_input(run, arr.dtype, dt))
+
+
+def plan_scatter(
+    c: Call, x: np.ndarray, root: Any, shape: None = None, dtype: None = None
+) -> RootedPlan:
+    """The plan of a ``scatter`` with a stacked array ``x`` on every rank (no ``shape=``
+    or ``dtype=``): the root sends from its ``x`` where it lies."""
+    r = rank_arg(c, root, "root")
+    arr, dt = input_array(c, x)
+    fields, block = _sig.scatter(c, dt, arr.shape, r, shape, dtype)
+    comm, results, count, is_root = c.comm, c.results, math.prod(block), r == c.rank
+
+    def run(x: np.ndarray) -> np.ndarray:
+        recv = results.take(dt, count)
+        comm.scatter(x.reshape(-1) if is_root else None, recv, r)
+        return recv.reshape(block)
+
+    return RootedPlan("scatter", fields, _native_input(run, arr.dtype, dt))

@@ -20,11 +20,12 @@ issuer (:meth:`meshcomm.group.issuing.Issuer.call`) with the collective's descri
 (:mod:`meshcomm.group.collectives`): ``call -> route -> plan -> run``. The route (host or
 device communicator, a device array staged through host memory) is
 :mod:`meshcomm.group.routes`'; ``all_reduce``, ``reduce_scatter``, ``all_gather``,
-``all_to_all`` and ``broadcast`` (an array on every rank) of a numpy array, and a device
-``all_reduce``, run through the cached **plan** of their call signature
-(:mod:`meshcomm.group.plans`), made on its first call with every check; a call that finds
-its plan runs the runner on the claimed engine with only the sequence number, the ledger
-entry and the stamp around it (docs/architecture.md, decision 3). The rest is lowered per
+``all_to_all``, ``broadcast``, ``reduce``, ``gather`` and ``scatter`` (an array on every
+rank) of a numpy array, and a device ``all_reduce``, run through the cached **plan** of
+their call signature (:mod:`meshcomm.group.plans`), made on its first call with every
+check; a call that finds its plan runs the runner on the claimed engine with only the
+sequence number, the ledger entry and the stamp around it (docs/architecture.md, decision
+3). The rest is lowered per
 call (:mod:`meshcomm.group.lower`, :mod:`meshcomm.group.device_lower`): a plan used once.
 Closing the group drops its plans, and a closed group's engine refuses every call. Every
 argument error is raised before any I/O.
