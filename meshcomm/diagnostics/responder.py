@@ -4,10 +4,10 @@ A rank that timed out in a collective wants to know where the others are, includ
 ones that are *not* in a collective (computing, sleeping, in another group's collective).
 Those cannot answer from the collective path, so every rank with a store runs one small
 daemon thread with a store connection of its own, blocked in a store ``wait`` on its next
-request key. An asker (:func:`ask`) numbers its request with a store counter and sets the
-key; the responder answers with the rank's head (:mod:`meshcomm.diagnostics.position`) under the
-same
-number and deletes the request. Nothing runs per collective: the thread sleeps in the store
+request key. An asker (:func:`ask`, from :mod:`meshcomm.store.mailbox`, where the keys are)
+numbers its request with a store counter and sets the key; the responder answers with the
+rank's head (:mod:`meshcomm.diagnostics.position`) under the same number and deletes the
+request. Nothing runs per collective: the thread sleeps in the store
 until someone asks, and wakes every few seconds only to notice shutdown.
 
 A request may also ask for one record of one group's ledger (:func:`ask_call`): a rank that
@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from meshcomm.diagnostics import position as _heads
 from meshcomm.errors import MeshCommError, StoreTimeout
 from meshcomm.store.base import Store
+from meshcomm.store.mailbox import answer_key, ask, ask_key
 from meshcomm.store.memory import HashStore
 from meshcomm.store.prefix import PrefixStore
 from meshcomm.store.tcp import TCPStore
@@ -57,31 +58,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Responder", "answer", "ask", "ask_call"]
 
-_PREFIX = "meshcomm/"
 # The responder's store wait: how often it looks at its stop flag when nobody asks.
 _IDLE_WAIT = 5.0
 _TORCH_IDLE_WAIT = 24 * 3600.0
 
 
-def _ask_key(rank: int, n: int) -> str:
-    return f"{_PREFIX}ask/{rank}/{n}"
-
-
-def _answer_key(rank: int, n: int) -> str:
-    return f"{_PREFIX}head/{rank}/{n}"
-
-
-def ask(store: Store, rank: int, what: bytes = b"?") -> int:
-    """Ask ``rank``'s responder where it is; return the request number for :func:`answer`."""
-    n = store.add(f"{_PREFIX}ask/{rank}", 1)
-    store.set(_ask_key(rank, n), what)
-    return n
-
-
 def answer(store: Store, rank: int, n: int, wait: float = 0.0) -> dict[str, Any] | None:
     """The answer to request ``n`` of ``rank`` (a parsed head), waiting up to ``wait``
     seconds; None if there is none (yet), or it is not a head."""
-    key = _answer_key(rank, n)
+    key = answer_key(rank, n)
     try:
         if wait > 0:
             store.wait([key], wait)
@@ -101,7 +86,7 @@ def ask_call(store: Store, rank: int, group: str, seq: int, wait: float) -> dict
     ``wait`` seconds; None if it does not answer in time or has no such record."""
     try:
         n = ask(store, rank, f"call\n{group}\n{int(seq)}".encode())
-        key = _answer_key(rank, n)
+        key = answer_key(rank, n)
         store.wait([key], wait)
         raw = store.get(key)
         with contextlib.suppress(MeshCommError, OSError):
@@ -251,7 +236,7 @@ class Responder:
         idle = _idle_wait(store)
         try:
             while not self._stopping:
-                key = _ask_key(rank, n)
+                key = ask_key(rank, n)
                 try:
                     store.wait([key], idle)
                 except StoreTimeout:
@@ -264,10 +249,10 @@ class Responder:
                     # an answer. The store admits only the job's ranks.
                     self._world._comm.notice_mismatch(*announced)
                 elif request.startswith(b"call\n"):
-                    store.set(_answer_key(rank, n), _call_answer(self._world, request))
+                    store.set(answer_key(rank, n), _call_answer(self._world, request))
                 else:
                     head = _heads.collect(self._world, rank)
-                    store.set(_answer_key(rank, n), _heads.encode(head))
+                    store.set(answer_key(rank, n), _heads.encode(head))
                 store.delete_key(key)
                 n += 1
         except (MeshCommError, OSError):

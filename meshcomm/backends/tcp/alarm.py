@@ -114,9 +114,7 @@ class WorldAlarm:
         self.raised(group)
         if self._store is None or self._size < 2:
             return
-        from meshcomm.diagnostics import (
-            responder as _responder,  # the responder's request keys; imported on failure only
-        )
+        from meshcomm.store import mailbox  # the responders' request keys; on failure only
 
         group = group[:_MAX_GROUP]
         words = reason[:MAX_REASON]
@@ -127,7 +125,7 @@ class WorldAlarm:
                 self._store.append(ALARM_KEY, json.dumps([group, words]).encode() + b"\n")
             for peer in range(self._size):
                 if peer != self._rank:
-                    _responder.ask(self._store, peer, request)
+                    mailbox.ask(self._store, peer, request)
 
     def recall(self) -> str | None:
         """The oldest mismatch this rank owes, asking the store when it has heard of none
