@@ -41,6 +41,8 @@ __all__ = [
     "lazy_back_edges",
     "module_lines",
     "strongly_connected",
+    "type_only_circles",
+    "type_only_edges",
 ]
 
 PACKAGE = Path(__file__).resolve().parent.parent / "meshcomm"
