@@ -112,8 +112,6 @@ KNOWN_LAZY_BACK_EDGES: tuple[tuple[str, str], ...] = (
     # DeviceMesh.to_torch is a convenience for meshcomm.c10d.to_torch_mesh (the mesh layer
     # does not need torch; the call does).
     ("meshcomm.mesh", "meshcomm.c10d"),
-    # ops._native hands a jax tracer to the staging of jit (issue 34 item 3: one route).
-    ("meshcomm.ops._native", "meshcomm.ops._jax_jit"),
 )
 
 # Type-only imports of a higher layer, still to be cut by a Protocol:

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from meshcomm.errors import InvalidArgument
-from meshcomm.ops._jax_jit import stage, stageable
+from meshcomm.ops._jax_jit import stage
 from meshcomm.ops._native import is_jax_tracer, torch_tensor_type, tracer_message
+from meshcomm.ops._tracers import stageable
 from meshcomm.ops.pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = ["Call", "apply", "grad_kind"]

@@ -39,12 +39,13 @@ import numpy as np
 
 from meshcomm.errors import InvalidArgument
 from meshcomm.group.arrays import check_dtype
+from meshcomm.group.routes import is_jax_tracer
 from meshcomm.ops import _resolve
 from meshcomm.ops._checks import axis_arg, block_shape
 from meshcomm.ops.pytree import tree_flatten, tree_unflatten
 from meshcomm.reduction import ReduceOp, check_op_dtype
 
-__all__ = ["StagedCall", "out_specs", "settle", "stage", "stageable"]
+__all__ = ["StagedCall", "out_specs", "settle", "stage"]
 
 _local = threading.local()
 
@@ -77,27 +78,6 @@ class StagedCall(Protocol):
     def needs_primals(self) -> bool:
         """Whether ``transpose`` reads the primal inputs and outputs."""
         ...
-
-
-def stageable(x: Any) -> bool:
-    """Whether ``x`` is a jax tracer an op can stage: a jit (or lax control flow) tracer
-    outside ``shard_map``, possibly under autodiff tracers.
-
-    vmap's batch tracers and ``shard_map``'s per-device values are not: an ordered
-    callback cannot be batched, and inside ``shard_map`` one process runs several devices'
-    programs, which meshcomm's one-rank-per-process collectives cannot serve.
-
-    Example:
-        >>> stageable(np.zeros(1))
-        False
-    """
-    while type(x).__module__.endswith(".interpreters.ad"):
-        x = getattr(x, "primal", None)
-    if not type(x).__module__.endswith(".interpreters.partial_eval"):
-        return False
-    import jax
-
-    return not jax.sharding.get_abstract_mesh().manual_axes
 
 
 def out_specs(call: StagedCall, leaves: list[Any]) -> list[Any]:
@@ -207,7 +187,7 @@ def stage(call: StagedCall, x: Any) -> Any:
     slots = [
         i
         for i, (v, a) in enumerate(zip(leaves, args, strict=True))
-        if _is_tracer(v) and jnp.issubdtype(a.dtype, jnp.inexact)
+        if is_jax_tracer(v) and jnp.issubdtype(a.dtype, jnp.inexact)
     ]
 
     def host(*arrays: Any) -> tuple[np.ndarray, ...]:
@@ -241,12 +221,6 @@ def stage(call: StagedCall, x: Any) -> Any:
 
     node.defvjp(node_fwd, node_bwd)
     return tree_unflatten(treedef, list(node(*args)))
-
-
-def _is_tracer(x: Any) -> bool:
-    from meshcomm.ops._native import is_jax_tracer
-
-    return is_jax_tracer(x)
 
 
 @contextmanager

@@ -173,7 +173,7 @@ def _unwrap_jax(x: Any, kind: str, where: str) -> tuple[Any, Rewrap | None]:
     import jax  # already imported by the caller: a jax array is in hand
 
     if kind == "jax-tracer":
-        from meshcomm.ops._jax_jit import stageable
+        from meshcomm.ops._tracers import stageable
 
         if stageable(x):  # only calls that move nothing get here (pcast over no axes)
             raise TypeError(
