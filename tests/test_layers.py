@@ -115,10 +115,7 @@ KNOWN_LAZY_BACK_EDGES: tuple[tuple[str, str], ...] = (
 )
 
 # Type-only imports of a higher layer, still to be cut by a Protocol:
-KNOWN_TYPE_ONLY_UPWARD: tuple[tuple[str, str], ...] = (
-    # call_checks is being rewritten (issue 34 item 2); it can type against GroupView.
-    ("meshcomm.diagnostics.call_checks", "meshcomm.group.process_group"),
-)
+KNOWN_TYPE_ONLY_UPWARD: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from meshcomm.diagnostics import signal_report as _report
 from meshcomm.errors import CommError, CommTimeout, MismatchError, MismatchTimeout
 
 if TYPE_CHECKING:
-    from meshcomm.group import ProcessGroup
+    from meshcomm.diagnostics.group_view import GroupView
 
 __all__ = [
     "booked",
@@ -169,7 +169,7 @@ def render(texts: list[str], label: str) -> list[str]:
 
 
 def mismatch_words(
-    group: ProcessGroup,
+    group: GroupView,
     comm: Communicator,
     exc: MismatchError,
     op: str,
@@ -212,7 +212,7 @@ def mismatch_words(
 
 
 def judged(
-    group: ProcessGroup, exc: CommTimeout, op: str, seq: int, entry: _ledger.Entry | None = None
+    group: GroupView, exc: CommTimeout, op: str, seq: int, entry: _ledger.Entry | None = None
 ) -> CommTimeout:
     """``exc`` with the hang verdict added: which members waited in op ``seq``, and where
     the others are (:mod:`meshcomm.diagnostics.hang_verdict`); ``exc`` itself without a store.
@@ -265,7 +265,7 @@ def stamped(
 
 
 def checked_first(
-    group: ProcessGroup,
+    group: GroupView,
     comm: Communicator,
     body: Callable[[], Any],
     row: np.ndarray,
