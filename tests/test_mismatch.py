@@ -209,10 +209,12 @@ def test_the_board_compares_stamps(nprocs: int, kind: str) -> None:
 def _psum_over_tp(world: ProcessGroup) -> str:
     import meshcomm
 
-    mesh = meshcomm.init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
     x = np.ones(3, np.float32)
-    meshcomm.ops.psum(x, "tp", mesh=mesh)
     try:
+        # Inside the try from the start: the world alarm of ranks 2 and 3's mismatch may
+        # reach ranks 0 and 1 before their first psum, which then raises the same words.
+        mesh = meshcomm.init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+        meshcomm.ops.psum(x, "tp", mesh=mesh)
         meshcomm.ops.psum(x.astype(np.float64) if world.rank == 3 else x, "tp", mesh=mesh)  # PSUM
         # Ranks 0 and 1 agree; the mismatch of ranks 2 and 3 stops them at a later call.
         world.barrier()
