@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 __all__ = [
     "KNOWN_LAZY_BACK_EDGES",
     "KNOWN_TYPE_ONLY_UPWARD",
@@ -479,15 +477,6 @@ def test_type_only_imports_go_down_the_layers() -> None:
     upward = {(e.source, e.target) for e in _upward(type_only_edges())}
     new = sorted(upward - set(KNOWN_TYPE_ONLY_UPWARD))
     assert new == [], f"type-only imports of a higher layer (type against a Protocol): {new}"
-
-
-def test_counts_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
-    with capsys.disabled():
-        print(
-            f"\nlazy imports that close a circle: {len(lazy_back_edges())}; "
-            f"circles closed by type-only imports: {len(type_only_circles())}; "
-            f"lazy imports of a higher layer: {len(_upward(e for e in import_graph() if e.lazy))}"
-        )
 
 
 def _over_limit() -> dict[str, int]:
