@@ -46,8 +46,8 @@ demo: $(VENV)/.core
 	$(VENV)/bin/meshrun --nproc-per-node $(NPROC) examples/tour.py
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check meshcomm tests examples bench
-	$(VENV)/bin/ruff format --check meshcomm tests examples bench
+	$(VENV)/bin/ruff check conftest.py meshcomm tests examples bench
+	$(VENV)/bin/ruff format --check conftest.py meshcomm tests examples bench
 	$(VENV)/bin/mypy
 
 pytest: $(VENV)/.dev $(OMPI_VENV)/.ready
