@@ -62,8 +62,10 @@ def ledger_length() -> int:
 
 
 # A record is a list, not an object: it is made on every collective, and a list literal
-# costs a fraction of an instance. Its slots:
-_SEQ, _OP, _DTYPE, _SHAPE, _FILE, _LINE, _ISSUED, _ENDED, _FAILED, _API, _EXTRA = range(11)
+# costs a fraction of an instance. Its slots (the caller's site is its code object and the
+# offset of its call instruction: the line number is looked up only when a report shows it,
+# since ``frame.f_lineno`` walks the line table on every call):
+_SEQ, _OP, _DTYPE, _SHAPE, _CODE, _LASTI, _ISSUED, _ENDED, _FAILED, _API, _EXTRA = range(11)
 # Operations whose record's extra is a root (the others': a reduce op), when it is not the
 # general path's fingerprint fields (a dict with both).
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # meshcomm/
@@ -81,8 +83,20 @@ def _name(entry: Entry) -> str:
     return str(entry[_OP])
 
 
+def _line(code: Any, lasti: int) -> int:
+    """The source line of instruction offset ``lasti`` in ``code`` (``frame.f_lineno``'s
+    answer, found when asked)."""
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line or 0
+    return 0
+
+
 def _site(entry: Entry) -> str:
-    return f"{os.path.basename(entry[_FILE])}:{entry[_LINE]}"
+    code = entry[_CODE]
+    if code is None:
+        return "?:0"
+    return f"{os.path.basename(code.co_filename)}:{_line(code, entry[_LASTI])}"
 
 
 def named(entry: Entry) -> tuple[str, str]:
@@ -215,10 +229,13 @@ class Ledger:
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
             api = frame
             frame = frame.f_back
-        where = ("?", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
-        code = None if api is None else api.f_code
+        if frame is None:
+            site, lasti = None, 0
+        else:
+            site, lasti = frame.f_code, frame.f_lasti
         entry = [
-            seq, op, dtype, shape, where[0], where[1], time.monotonic(), None, False, code, extra
+            seq, op, dtype, shape, site, lasti, time.monotonic(), None, False,
+            None if api is None else api.f_code, extra,
         ]  # fmt: skip
         self._ring.append(entry)
         return entry
