@@ -342,6 +342,7 @@ class ProcessGroup(SubGroups, PointToPoint):
             if type(x) is np.ndarray and factor is None:
                 # Issuer.call's first step (the plan under all_reduce's key) without its
                 # frame and the key function's: the 8-byte call's cost is mostly frames.
+                plan: Any
                 try:
                     plan = issuer.plans.get(("all_reduce", x.dtype, x.shape, op))
                 except TypeError:  # an unhashable op: Issuer.call's checks name it
