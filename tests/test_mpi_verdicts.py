@@ -26,9 +26,11 @@ from test_mpi import REPO, clean_env, mpirun
 from test_mpi import SKIP as MPI_SKIP
 
 # Every rank catches its error and prints it to stderr as one line ("rank R: Type: text"),
-# so the job exits 0 and meshrun's run_mpi does not abort the others mid-verdict.
+# so the job exits 0 and meshrun's run_mpi does not abort the others mid-verdict. One
+# os.write per line: mpiexec once forwarded a print's text and its newline apart, and two
+# ranks' verdicts ran together on one line.
 _JOB = """
-import ctypes, sys, time, numpy as np, meshcomm
+import ctypes, os, sys, time, numpy as np, meshcomm
 from meshcomm import ops
 from meshcomm.errors import CommError
 
@@ -52,7 +54,7 @@ try:
         text = "no error"
 except CommError as exc:
     text = f"{type(exc).__name__}: {exc}"
-print(f"rank {world.rank}: " + text.replace(chr(10), " | "), file=sys.stderr, flush=True)
+os.write(2, (f"rank {world.rank}: " + text.replace(chr(10), " | ") + chr(10)).encode())
 time.sleep(1.0)  # rank 0's store outlives the others' verdicts
 meshcomm.shutdown()
 """
