@@ -47,6 +47,7 @@ from typing import Any
 from meshcomm.errors import InvalidArgument, MeshCommError, RendezvousError
 
 __all__ = [
+    "ELASTIC_ENV",
     "STORE_HOSTS",
     "LaunchInfo",
     "check_port",
@@ -59,6 +60,9 @@ __all__ = [
     "started_by_mpi",
 ]
 
+#: Set to "1" by ``meshrun --elastic``: the launcher lets the other ranks go on when one
+#: fails (:mod:`meshcomm.elastic` shrinks the world).
+ELASTIC_ENV = "MESHCOMM_ELASTIC"
 #: Values of :attr:`LaunchInfo.store_host`: who serves the store at the master address.
 STORE_HOSTS = ("rank0", "launcher", "torchelastic")
 

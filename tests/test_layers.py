@@ -84,6 +84,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "meshcomm.ops",
             "meshcomm.distributed",
             "meshcomm.c10d",
+            "meshcomm.elastic",  # re-forms the world and the mesh after a loss
             "meshcomm.backends.conformance",  # the conformance suite drives a ProcessGroup
             # torch's entry point for the c10d backend: imports nothing, makes c10d on use.
             "meshcomm.common.torch_autoload",

@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "through mpiexec (with meshcomm.run_mpi: a failing rank aborts them all)",
     )
     add(
+        "--elastic",
+        action="store_true",
+        help="a rank that fails does not stop the others: they shrink their world and go on "
+        "(meshcomm.elastic); the job succeeds when any rank finishes with 0",
+    )
+    add(
         "--mpiexec",
         default=None,
         metavar="PATH",
@@ -360,6 +366,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         script_file=script_file,
         start_method=start_method,
         backend=ns.backend,
+        elastic=ns.elastic,
         mpiexec=mpiexec,
         secret=secret,
         torchrun=options,

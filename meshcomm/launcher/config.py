@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from meshcomm.common.secret import SECRET_ENV
+from meshcomm.launch import ELASTIC_ENV
 from meshcomm.launcher.processes import DEFAULT_GRACE_PERIOD, SHADOWING_VARIABLES, rank_environment
 from meshcomm.launcher.torchrun_options import TorchrunOptions, torchrun_environment
 
@@ -48,6 +49,8 @@ class LaunchConfig:
             process started from ``command``.
         backend: the backend ``meshcomm.init()`` picks in the ranks (None: its default);
             "mpi" starts the ranks through ``mpiexec``.
+        elastic: a failed rank does not stop the others (``meshrun --elastic``); the ranks
+            see ``MESHCOMM_ELASTIC=1``.
         mpiexec: the ``mpiexec`` for ``backend="mpi"``.
         secret: the job's ``MESHCOMM_SECRET`` given to every rank and to the store this node
             hosts; None runs the job unauthenticated (``--no-secret``).
@@ -72,6 +75,7 @@ class LaunchConfig:
     script_file: str | None = None
     start_method: str = "spawn"
     backend: str | None = None
+    elastic: bool = False
     mpiexec: str | None = None
     # Never in a repr: a LaunchConfig may be printed or logged.
     secret: str | None = field(default=None, repr=False)
@@ -156,6 +160,10 @@ def child_environment(
         env.pop(SECRET_ENV, None)  # --no-secret: an inherited secret would contradict it
     if config.backend is not None:
         env["MESHCOMM_BACKEND"] = config.backend
+    if config.elastic:
+        env[ELASTIC_ENV] = "1"
+    else:
+        env.pop(ELASTIC_ENV, None)
     if config.nproc_per_node > 1:
         # N ranks each starting a BLAS thread per core would oversubscribe the cores N times.
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -124,6 +124,8 @@ class Supervisor:
         self.ranks: list[Rank] = []
         self.selector = selectors.DefaultSelector()
         self.failures: list[Rank] = []
+        # --elastic: ranks that failed while others ran on (those shrink their world).
+        self.lost: list[Rank] = []
         self.stop_signal: int | None = None  # a signal meshrun itself received
         self.kill_at: float | None = None  # when stopping: SIGKILL deadline
         self.drain_until: float | None = None
@@ -299,6 +301,13 @@ class Supervisor:
                 os.close(entry.pidfd)
                 entry.pidfd = None
             if code != 0 and entry.sent is None and self.stop_signal is None:
+                if self.config.elastic and (others := len(self.live())):
+                    self.lost.append(entry)
+                    self.err.say(
+                        f"rank {entry.rank} (pid {entry.proc.pid}) {describe_exit(code)}; the "
+                        f"other {others} ranks go on without it (--elastic)"
+                    )
+                    continue
                 self.failures.append(entry)
                 if len(self.failures) == 1:
                     others = len(self.live())

@@ -1,0 +1,187 @@
+"""An N-D mesh that shrinks when a rank is lost, without restarting any process.
+
+:class:`ElasticMesh` forms the world and the mesh through the job's store (the one
+``meshrun`` serves, which outlives every rank). When a collective fails because a rank
+died (a ``PeerError`` naming it, or a timeout), every survivor calls :meth:`shrink`: the
+survivors agree on who is alive (:mod:`meshcomm.elastic.membership`), every *unit* that
+lost a member leaves (the slice of the mesh at the dead rank's coordinate on the unit
+axis: for ``("dp", "tp")`` with ``unit="dp"``, the whole data-parallel replica), and the
+others form a new world and the same mesh with that axis shorter. A rank of a unit that
+left raises :class:`~meshcomm.errors.LeftTheMesh`; when no unit remains, every survivor
+raises :class:`~meshcomm.errors.NoValidMesh`.
+
+Run it under ``meshrun --elastic`` (the launcher then lets the others go on when a rank
+fails); the tcp backend only (MPICH has no ULFM: an mpi job restarts whole).
+
+Example:
+    A sketch (needs ``meshrun --elastic --nproc-per-node 8``)::
+
+        elastic = ElasticMesh((4, 2), ("dp", "tp"), unit="dp")
+        try:
+            out = ops.psum(x, "dp", mesh=elastic.mesh)
+        except CommError as exc:
+            elastic.shrink(exc)  # now a (3, 2) mesh, or LeftTheMesh here
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meshcomm import world
+from meshcomm.common.secret import job_secret
+from meshcomm.common.timeout import Timeout, to_seconds
+from meshcomm.elastic.membership import agree
+from meshcomm.errors import InvalidArgument, LeftTheMesh, NoValidMesh, PeerError
+from meshcomm.launch import ELASTIC_ENV
+from meshcomm.mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from meshcomm.store.base import Store
+
+__all__ = ["ElasticMesh"]
+
+# Seconds the survivors wait for a rank that has not said it is alive (at most the timeout).
+_AGREE_SECONDS = 2.0
+
+
+def _job_store(seconds: float) -> Store:
+    """A connection of our own to the store the launcher serves (``meshrun``)."""
+    from meshcomm.store import TCPStore
+
+    host, port = os.environ.get("MESHCOMM_MASTER_ADDR"), os.environ.get("MESHCOMM_MASTER_PORT")
+    if not host or not port or os.environ.get(ELASTIC_ENV) != "1":
+        raise InvalidArgument(
+            "ElasticMesh needs the store of a launcher that outlives the ranks: run under "
+            "`meshrun --elastic` (or pass store=, rank= and world_size=)"
+        )
+    return TCPStore(host, int(port), timeout=seconds, secret=job_secret())
+
+
+class ElasticMesh:
+    """A world and a row-major N-D mesh over it that survive the loss of ranks.
+
+    Args:
+        mesh_shape: the size of each axis (as :func:`~meshcomm.init_device_mesh`).
+        mesh_dim_names: one name per axis.
+        unit: the axis whose slices leave together: a rank lost at coordinate ``i`` on
+            this axis takes every rank at ``i`` with it. Default: the first axis.
+        timeout: each world's timeout (seconds or ``timedelta``; default
+            ``MESHCOMM_TIMEOUT``, else 300 s).
+        agree_seconds: how long the survivors wait for a rank that says nothing before
+            counting it gone (at most ``timeout``).
+        store, rank, world_size: a store every rank shares and that outlives them, with
+            this process's rank; default: ``meshrun --elastic``'s store and environment.
+
+    Attributes:
+        mesh: the current :class:`~meshcomm.mesh.DeviceMesh`.
+        members: the ranks of the first world that are in the current one, in rank order.
+        rounds: how many times the mesh shrank.
+
+    Raises:
+        InvalidArgument: a shape that is not the world's size, an unknown ``unit``, or no
+            launcher store.
+    """
+
+    def __init__(
+        self,
+        mesh_shape: Sequence[int],
+        mesh_dim_names: Sequence[str],
+        *,
+        unit: str | None = None,
+        timeout: Timeout | None = None,
+        agree_seconds: float = _AGREE_SECONDS,
+        store: Store | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        shape = tuple(int(n) for n in mesh_shape)
+        names = tuple(mesh_dim_names)
+        if len(names) != len(shape) or any(n < 1 for n in shape):
+            raise InvalidArgument(
+                f"ElasticMesh: mesh_shape {shape} and mesh_dim_names {names} must pair up, "
+                "every size at least 1"
+            )
+        unit = names[0] if unit is None else unit
+        if unit not in names:
+            raise InvalidArgument(f"ElasticMesh: unit {unit!r} is not one of the axes {names}")
+        seconds = to_seconds(timeout)
+        rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
+        size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        if int(np.prod(shape)) != size:
+            raise InvalidArgument(
+                f"rank {rank}: ElasticMesh shape {shape} has {int(np.prod(shape))} ranks, "
+                f"the world {size}"
+            )
+        self._store = _job_store(seconds) if store is None else store
+        self._owns_store = store is None
+        self._seconds = seconds
+        self._agree = min(float(agree_seconds), seconds)
+        self._names, self._shape, self._axis = names, shape, names.index(unit)
+        self._origin = rank
+        self.members: tuple[int, ...] = tuple(range(size))
+        self.rounds = 0
+        self.mesh: DeviceMesh = self._form()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current world."""
+        return self.members.index(self._origin)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The current mesh's shape."""
+        return self._shape
+
+    def _form(self) -> DeviceMesh:
+        from meshcomm.store import PrefixStore
+
+        store = PrefixStore(f"meshcomm/elastic/world/{self.rounds}/", self._store)
+        world.init(store=store, rank=self.rank, world_size=len(self.members), timeout=self._seconds)
+        return init_device_mesh(self._shape, self._names)
+
+    def shrink(self, error: BaseException | None = None) -> None:
+        """Leave the failed world, agree with the survivors on who is alive, and form the
+        smaller world and mesh. Every survivor calls it after the failure.
+
+        Args:
+            error: what the failed call raised (a ``PeerError`` names the dead rank, which
+                lets the survivors decide without waiting for it).
+
+        Raises:
+            LeftTheMesh: this rank's unit lost a member (or it spoke too late).
+            NoValidMesh: no unit is left whole.
+        """
+        me, old = self.rank, len(self.members)
+        seen = [] if not isinstance(error, PeerError) or error.rank is None else [error.rank]
+        world.shutdown()
+        alive = agree(self._store, self.rounds, me, old, seen, self._agree)
+        coords = np.unravel_index(np.arange(old), self._shape)[self._axis]
+        lost_units = {int(coords[r]) for r in range(old) if r not in alive}
+        keep = [r for r in range(old) if int(coords[r]) not in lost_units]
+        self.rounds += 1
+        if not keep:
+            axes = dict(zip(self._names, self._shape, strict=True))
+            raise NoValidMesh(
+                f"rank {me}: after round {self.rounds} no {self._names[self._axis]!r} unit of "
+                f"the mesh {axes} is whole (alive: {list(alive)})"
+            )
+        if me not in keep:
+            raise LeftTheMesh(
+                f"rank {me}: its {self._names[self._axis]!r} unit {int(coords[me])} lost a "
+                f"member (alive: {list(alive)} of {old}); the others go on without it"
+            )
+        shape = list(self._shape)
+        shape[self._axis] -= len(lost_units)
+        self._shape = tuple(shape)
+        self.members = tuple(self.members[r] for r in keep)
+        self.mesh = self._form()
+
+    def close(self) -> None:
+        """Leave the world (and close the store connection this object opened)."""
+        world.shutdown()
+        if self._owns_store:
+            self._store.close()

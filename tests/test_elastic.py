@@ -1,0 +1,144 @@
+"""meshcomm.elastic: a data-parallel run that loses ranks to SIGKILL shrinks and goes on.
+
+Real processes under ``meshrun --elastic`` on the tcp backend: ranks SIGKILL themselves
+mid-training, the survivors shrink the mesh (a whole 'dp' replica leaves with its dead
+member), go back to the last step every survivor committed and go on. The final
+parameters must equal a float64 replay of the same sequence of replica sets (1e-12): no
+step lost, none applied twice. Nothing may be left behind in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshcomm.elastic.membership import agree
+from meshcomm.errors import InvalidArgument, LeftTheMesh
+from meshcomm.store import HashStore
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "elastic_train.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from elastic_train import DIM, RATE, sample  # noqa: E402
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mcshm")}
+
+
+def _run(ranks: int, shape: str, steps: int, kills: list[str]) -> tuple[int, dict[int, Any], str]:
+    env = dict(os.environ, MESHCOMM_TIMEOUT="10", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "meshcomm.run", "--elastic", "--nproc-per-node", str(ranks),
+               str(SCRIPT), shape, str(steps), *kills]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(REPO), start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"meshrun --elastic ran past 120 s:\n{err[-3000:]}")
+    lines: dict[int, Any] = {}
+    for line in out.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[rank") else line
+        if body.startswith("{"):
+            record = json.loads(body)
+            lines[record["rank"]] = record
+    return proc.returncode, lines, err
+
+
+def _replay(history: list[list[Any]], tp: int) -> np.ndarray:
+    """The parameters of a run whose step ``s`` ran on ``members`` (first-world ranks)."""
+    w = np.zeros(DIM)
+    for expected, (s, members) in enumerate(history):
+        assert s == expected, history  # every step once, in order
+        replicas = len(members) // tp
+        grads = [w - sample(s, r) for r in range(replicas)]
+        w = w - RATE * np.sum(grads, axis=0) / replicas
+    return w
+
+
+def _check(lines: dict[int, Any], survivors: list[int], left: list[int], steps: int, tp: int,
+           shape: list[int]) -> None:  # fmt: skip
+    assert sorted(r for r, v in lines.items() if v.get("left")) == sorted(left), lines
+    done = {r: v for r, v in lines.items() if "w" in v}
+    assert sorted(done) == sorted(survivors), lines
+    first = done[survivors[0]]
+    assert len(first["history"]) == steps, first
+    reference = _replay(first["history"], tp)
+    for r, v in done.items():
+        assert v["history"] == first["history"], (r, v["history"], first["history"])
+        assert v["shape"] == shape, v
+        np.testing.assert_allclose(v["w"], reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "shape", "kills", "survivors", "left", "final"),
+    [
+        (4, "4", ["2:5"], [0, 1, 3], [], [3]),
+        (8, "4x2", ["5:4"], [0, 1, 2, 3, 6, 7], [4], [3, 2]),
+        (4, "4", ["1:3", "3:7"], [0, 2], [], [2]),  # two failures in a row
+    ],
+    ids=["dp4-one-kill", "dp4xtp2-replica-leaves", "dp4-two-kills"],
+)
+def test_sigkilled_ranks_shrink_the_mesh_and_the_run_matches_the_replay(
+    ranks: int, shape: str, kills: list[str], survivors: list[int], left: list[int],
+    final: list[int],
+) -> None:  # fmt: skip
+    before = _shm()
+    steps = 10
+    rc, lines, err = _run(ranks, shape, steps, kills)
+    assert rc == 0, err[-3000:]
+    tp = int(shape.split("x")[1]) if "x" in shape else 1
+    _check(lines, survivors, left, steps, tp, final)
+    for arg in kills:
+        victim = int(arg.split(":")[0])
+        assert f"rank {victim} (pid" in err and "go on without it (--elastic)" in err, err
+    assert _shm() <= before, _shm() - before
+
+
+def test_no_whole_unit_left_is_an_error_on_every_survivor() -> None:
+    rc, lines, err = _run(2, "1x2", 4, ["1:2"])
+    assert rc == 0, err[-3000:]
+    assert "no 'dp' unit of the mesh" in lines[0]["no_mesh"], lines
+
+
+def test_the_survivors_agree_on_who_is_alive() -> None:
+    """Three survivors of a world of five, one of them seeing rank 4 die: the decider waits
+    for rank 3 (seen by nobody) until the deadline, and everyone gets the same list."""
+    store = HashStore(timeout=10)
+    got: dict[int, Any] = {}
+
+    def rank(me: int) -> None:
+        got[me] = agree(store, 0, me, 5, [4] if me == 0 else [], seconds=0.5)
+
+    threads = [threading.Thread(target=rank, args=(me,)) for me in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == {0: (0, 1, 2), 1: (0, 1, 2), 2: (0, 1, 2)}, got
+    with pytest.raises(LeftTheMesh, match="rank 3: the survivors of round 0 went on"):
+        agree(store, 0, 3, 5, [], seconds=0.5)  # too late
+
+
+def test_a_shape_that_is_not_the_world_is_refused_before_any_io() -> None:
+    from meshcomm.elastic import ElasticMesh
+
+    store = HashStore(timeout=5)
+    with pytest.raises(InvalidArgument, match="has 6 ranks, the world 4"):
+        ElasticMesh((3, 2), ("dp", "tp"), store=store, rank=0, world_size=4)
+    with pytest.raises(InvalidArgument, match="unit 'pp' is not one of the axes"):
+        ElasticMesh((2, 2), ("dp", "tp"), unit="pp", store=store, rank=0, world_size=4)
+    assert store.num_keys() == 0
