@@ -1,7 +1,8 @@
-"""The device lowerings' layouts at every world size, run on numpy over a real tcp world.
+"""The device lowering's layouts at every world size, run on numpy over a real tcp world.
 
-:mod:`meshcomm.group.device_lower` is what a group with a device backend (nccl) runs for cupy
-arrays. Its layout work (rank-major blocks, stacking and concatenating at any axis, tiled
+The lowering of :mod:`meshcomm.group.lower` on :class:`~meshcomm.group.device_lower.
+DeviceBuffers` is what a group with a device backend (nccl) runs for cupy arrays. Its
+layout work (rank-major blocks, stacking and concatenating at any axis, tiled
 or not) is written with the array's own module, so here it runs with numpy over the tcp
 world's communicator, at worlds 1-4 and 8, and every result must equal the group's own
 numpy result for the same call (the path the conformance suite checks against numpy).
@@ -17,9 +18,18 @@ import numpy as np
 import pytest
 
 from meshcomm.group import device_lower as _device_lower
+from meshcomm.group import lower as _lower
 from meshcomm.group.arrays import ScratchPool
-from meshcomm.group.lower import Call
+from meshcomm.group.device_lower import DeviceBuffers
+from meshcomm.group.lower import Call, Lowered
 from meshcomm.testing import run_ranks
+
+
+def _on_device(op: str, c: Call, comm: Any, xp: Any, x: Any, *args: Any) -> Lowered:
+    """The one lowering of ``op`` on :class:`DeviceBuffers` of ``comm`` and ``xp`` (what a
+    group with a device backend runs for a device array)."""
+    lowering: Any = getattr(_lower, op)
+    return lowering(c, x, *args, on=DeviceBuffers(comm, xp))
 
 
 def _compare(group: Any) -> list[str]:
@@ -64,58 +74,58 @@ def _compare(group: Any) -> list[str]:
         for op in ("sum", "max", "avg"):
             check(
                 f"all_reduce {op}",
-                _device_lower.all_reduce(call("all_reduce"), comm, np, arr, op, None),
+                _on_device("all_reduce", call("all_reduce"), comm, np, arr, op, None),
                 group.all_reduce(arr, op),
             )
         check(
             "all_reduce premul_sum",
-            _device_lower.all_reduce(call("all_reduce"), comm, np, arr, "premul_sum", 3.0),
+            _on_device("all_reduce", call("all_reduce"), comm, np, arr, "premul_sum", 3.0),
             group.all_reduce(arr, "premul_sum", factor=3.0),
         )
         for axis in range(-arr.ndim - 1, arr.ndim + 1):
             check(
                 f"all_gather axis={axis}",
-                _device_lower.all_gather(call("all_gather"), comm, np, arr, axis, False),
+                _on_device("all_gather", call("all_gather"), comm, np, arr, axis, False),
                 group.all_gather(arr, axis),
             )
         for axis in range(arr.ndim):
             check(
                 f"all_gather tiled axis={axis}",
-                _device_lower.all_gather(call("all_gather"), comm, np, arr, axis, True),
+                _on_device("all_gather", call("all_gather"), comm, np, arr, axis, True),
                 group.all_gather(arr, axis, tiled=True),
             )
         for op in ("sum", "avg"):
             for axis, tiled in ((0, False), (0, True), (2, True)):
                 what = f"reduce_scatter {op} axis={axis} tiled={tiled}"
-                lowered = _device_lower.reduce_scatter(
-                    call("reduce_scatter"), comm, np, arr, op, axis, tiled, None
+                lowered = _on_device(
+                    "reduce_scatter", call("reduce_scatter"), comm, np, arr, op, axis, tiled, None
                 )
                 check(what, lowered, group.reduce_scatter(arr, op, axis, tiled))
         for split, concat, tiled in ((0, 0, False), (0, 2, False), (0, 1, True), (2, 0, True)):
             what = f"all_to_all split={split} concat={concat} tiled={tiled}"
-            lowered = _device_lower.all_to_all(
-                call("all_to_all"), comm, np, arr, split, concat, tiled
+            lowered = _on_device(
+                "all_to_all", call("all_to_all"), comm, np, arr, split, concat, tiled
             )
             check(what, lowered, group.all_to_all(arr, split, concat, tiled))
         for root in range(n):
             check(
                 f"broadcast root={root}",
-                _device_lower.broadcast(call("broadcast"), comm, np, arr, root, None, None),
+                _on_device("broadcast", call("broadcast"), comm, np, arr, root, None, None),
                 group.broadcast(arr, root),
             )
             check(
                 f"reduce root={root}",
-                _device_lower.reduce(call("reduce"), comm, np, arr, root, "sum", None),
+                _on_device("reduce", call("reduce"), comm, np, arr, root, "sum", None),
                 group.reduce(arr, root, "sum"),
             )
             check(
                 f"gather root={root}",
-                _device_lower.gather(call("gather"), comm, np, arr, root),
+                _on_device("gather", call("gather"), comm, np, arr, root),
                 group.gather(arr, root),
             )
             check(
                 f"scatter root={root}",
-                _device_lower.scatter(call("scatter"), comm, np, arr, root, None, None),
+                _on_device("scatter", call("scatter"), comm, np, arr, root, None, None),
                 group.scatter(arr, root),
             )
         shift = [(r, (r + 1) % n) for r in range(n)]
@@ -123,40 +133,40 @@ def _compare(group: Any) -> list[str]:
         for perm in (shift, partial):
             check(
                 f"permute {perm}",
-                _device_lower.permute(call("permute"), comm, np, arr, perm),
+                _on_device("permute", call("permute"), comm, np, arr, perm),
                 group.permute(arr, perm),
             )
     transposed = x[:, :, 0].T  # Fortran-ordered: the scaled copy must still be C-ordered
     check(
         "reduce premul_sum of a transposed array",
-        _device_lower.reduce(call("reduce"), comm, np, transposed, 0, "premul_sum", 2.0),
+        _on_device("reduce", call("reduce"), comm, np, transposed, 0, "premul_sum", 2.0),
         group.reduce(transposed, 0, "premul_sum", factor=2.0),
     )
     scalar = np.float64(me + 1.5)
     check(
         "all_reduce of a 0-d array",
-        _device_lower.all_reduce(call("all_reduce"), comm, np, np.asarray(scalar), "sum", None),
+        _on_device("all_reduce", call("all_reduce"), comm, np, np.asarray(scalar), "sum", None),
         group.all_reduce(np.asarray(scalar)),
     )
     check(
         "all_gather of a 0-d array",
-        _device_lower.all_gather(call("all_gather"), comm, np, np.asarray(scalar), 0, False),
+        _on_device("all_gather", call("all_gather"), comm, np, np.asarray(scalar), 0, False),
         group.all_gather(np.asarray(scalar)),
     )
     check(
         "reduce of a 0-d array",
-        _device_lower.reduce(call("reduce"), comm, np, np.asarray(scalar), 0, "sum", None),
+        _on_device("reduce", call("reduce"), comm, np, np.asarray(scalar), 0, "sum", None),
         group.reduce(np.asarray(scalar), 0),
     )
     check(
         "broadcast of a 0-d array",
-        _device_lower.broadcast(call("broadcast"), comm, np, np.asarray(scalar), 0, None, None),
+        _on_device("broadcast", call("broadcast"), comm, np, np.asarray(scalar), 0, None, None),
         group.broadcast(np.asarray(scalar), 0),
     )
     empty = np.zeros((n, 0), np.float32)
     check(
         "all_gather of zero elements",
-        _device_lower.all_gather(call("all_gather"), comm, np, empty, 0, True),
+        _on_device("all_gather", call("all_gather"), comm, np, empty, 0, True),
         group.all_gather(empty, 0, tiled=True),
     )
     return problems
@@ -175,11 +185,11 @@ def test_device_argument_errors_are_the_host_paths() -> None:
     comm = SelfCommunicator()
     call = Call(comm, ScratchPool(), "all_gather: rank 0")
     with pytest.raises(InvalidArgument, match=r"all_gather: rank 0: .*axis"):
-        _device_lower.all_gather(call, comm, np, np.zeros(3), 5, False)
+        _on_device("all_gather", call, comm, np, np.zeros(3), 5, False)
     with pytest.raises(InvalidArgument, match="tiled all_gather needs at least 1 axis"):
-        _device_lower.all_gather(call, comm, np, np.float32(1), 0, True)
+        _on_device("all_gather", call, comm, np, np.float32(1), 0, True)
     with pytest.raises(InvalidArgument, match="group size 1"):
-        _device_lower.scatter(call, comm, np, np.zeros(()), 0, None, None)
+        _on_device("scatter", call, comm, np, np.zeros(()), 0, None, None)
 
 
 def _device_call_of_another_dtype(group: Any) -> list[str]:

@@ -4,11 +4,12 @@ A :class:`Collective` says everything the group needs to know of one collective,
 JAX registers a primitive with its rules: its name, its **plan key** (the call signature a
 plan is cached under, or None where the call is lowered per call: a ``premul_sum``
 factor, ``shape=`` off a root), its **plan** (made once per key, with every argument check:
-:mod:`meshcomm.group.plans`), and its **lowering** per call over host buffers
-(:mod:`meshcomm.group.lower`) or on a device communicator
-(:mod:`meshcomm.group.device_lower`), and the same for device arrays (``device_key``,
-``device_plan``). Every one of them checks the call with :mod:`meshcomm.group.signatures`,
-so every route raises the same errors in the same words before any I/O.
+:mod:`meshcomm.group.plans`), its one **lowering** per call (:mod:`meshcomm.group.lower`),
+written once over the buffers it runs on: host buffers, or a device communicator's
+(:class:`~meshcomm.group.device_lower.DeviceBuffers`), and the plan key and plan of device
+arrays (``device_key``, ``device_plan``). Every one of them checks the call with
+:mod:`meshcomm.group.signatures`, so every route raises the same errors in the same words
+before any I/O.
 
 :data:`COLLECTIVES` holds them by name; :meth:`meshcomm.group.ProcessGroup` methods hand
 their arguments, as they are, to the group's one resolver with the description
@@ -70,34 +71,35 @@ class Collective:
 
     Attributes:
         name: the operation's name (``"all_reduce"``; the ledger's, the fingerprint's).
-        lower: ``lower(call, x, *args, snapshot=...)``: the per-call host lowering.
-        lower_device: ``lower_device(call, device_comm, xp, x, *args)``: the per-call
-            device lowering.
-        lower_device: None where the collective moves no array (``barrier``).
+        lower: ``lower(call, x, *args, snapshot=..., on=...)``: the per-call lowering, on
+            host buffers (``on`` left out) or a device's (``on`` a
+            :class:`~meshcomm.group.device_lower.DeviceBuffers`).
+        on_device: whether a device array's call runs on the device communicator (False
+            where the collective moves no array: ``barrier``).
         key: the plan key of a call on a numpy ``x``, or None: lowered per call (always,
             for a collective without a plan).
         plan: ``plan(call, x, *args)``: the plan of a key (a
             :class:`~meshcomm.group.plans.Plan`, or a rooted collective's
-            :class:`~meshcomm.group.plans.RootedPlan`).
+            :class:`~meshcomm.group.plans.ReturningPlan`).
         device_key: the plan key of a call on a device ``x``, or None.
         device_plan: ``device_plan(call, device_comm, xp, x, *args)``.
     """
 
-    __slots__ = ("device_key", "device_plan", "key", "lower", "lower_device", "name", "plan")
+    __slots__ = ("device_key", "device_plan", "key", "lower", "name", "on_device", "plan")
 
     def __init__(
         self,
         name: str,
         lower: Callable[..., _lower.Lowered],
-        lower_device: Callable[..., _lower.Lowered] | None = None,
         key: Key = _unplanned,
         plan: Callable[..., Any] = _no_plan,
         device_key: Key = _unplanned,
-        device_plan: Callable[..., _device_lower.DevicePlan] = _no_plan,
+        device_plan: Callable[..., _plans.ReturningPlan] = _no_plan,
+        on_device: bool = True,
     ) -> None:
         self.name = name
         self.lower = lower
-        self.lower_device = lower_device
+        self.on_device = on_device
         self.key = key
         self.plan = plan
         self.device_key = device_key
@@ -162,42 +164,21 @@ def _scatter_key(x: Any, root: Any, shape: Any, dtype: Any) -> tuple[Any, ...] |
 ALL_REDUCE = Collective(
     "all_reduce",
     _lower.all_reduce,
-    _device_lower.all_reduce,
     _all_reduce_key,
     _plans.plan_all_reduce,
     _device_all_reduce_key,
     _device_lower.plan_all_reduce,
 )
-ALL_GATHER = Collective(
-    "all_gather",
-    _lower.all_gather,
-    _device_lower.all_gather,
-    _all_gather_key,
-    _plans.plan_all_gather,
-)
+ALL_GATHER = Collective("all_gather", _lower.all_gather, _all_gather_key, _plans.plan_all_gather)
 REDUCE_SCATTER = Collective(
-    "reduce_scatter",
-    _lower.reduce_scatter,
-    _device_lower.reduce_scatter,
-    _reduce_scatter_key,
-    _plans.plan_reduce_scatter,
+    "reduce_scatter", _lower.reduce_scatter, _reduce_scatter_key, _plans.plan_reduce_scatter
 )
-ALL_TO_ALL = Collective(
-    "all_to_all",
-    _lower.all_to_all,
-    _device_lower.all_to_all,
-    _all_to_all_key,
-    _plans.plan_all_to_all,
-)
-BROADCAST = Collective(
-    "broadcast", _lower.broadcast, _device_lower.broadcast, _broadcast_key, _plans.plan_broadcast
-)
-REDUCE = Collective("reduce", _lower.reduce, _device_lower.reduce, _reduce_key, _plans.plan_reduce)
-GATHER = Collective("gather", _lower.gather, _device_lower.gather, _gather_key, _plans.plan_gather)
-SCATTER = Collective(
-    "scatter", _lower.scatter, _device_lower.scatter, _scatter_key, _plans.plan_scatter
-)
-PERMUTE = Collective("permute", _lower.permute, _device_lower.permute)
+ALL_TO_ALL = Collective("all_to_all", _lower.all_to_all, _all_to_all_key, _plans.plan_all_to_all)
+BROADCAST = Collective("broadcast", _lower.broadcast, _broadcast_key, _plans.plan_broadcast)
+REDUCE = Collective("reduce", _lower.reduce, _reduce_key, _plans.plan_reduce)
+GATHER = Collective("gather", _lower.gather, _gather_key, _plans.plan_gather)
+SCATTER = Collective("scatter", _lower.scatter, _scatter_key, _plans.plan_scatter)
+PERMUTE = Collective("permute", _lower.permute)
 
 
 def _barrier(c: _lower.Call, x: None, snapshot: bool = True) -> _lower.Lowered:
@@ -205,7 +186,7 @@ def _barrier(c: _lower.Call, x: None, snapshot: bool = True) -> _lower.Lowered:
 
 
 #: A barrier moves no array: it always takes the host communicator.
-BARRIER = Collective("barrier", _barrier)
+BARRIER = Collective("barrier", _barrier, on_device=False)
 
 #: Every collective a group runs, by name.
 COLLECTIVES: dict[str, Collective] = {

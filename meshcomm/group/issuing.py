@@ -64,10 +64,8 @@ if TYPE_CHECKING:
 __all__ = ["Issuer"]
 
 #: A plan of a host call or of a device call (both kept in one cache per group).
-_AnyPlan = TypeVar("_AnyPlan", _plans.Plan, _plans.RootedPlan, _device_lower.DevicePlan)
-#: A plan whose runner returns the call's result.
-_Returning = _plans.RootedPlan | _device_lower.DevicePlan
-_Planned = _plans.Plan | _Returning
+_AnyPlan = TypeVar("_AnyPlan", _plans.Plan, _plans.ReturningPlan)
+_Planned = _plans.Plan | _plans.ReturningPlan
 
 #: At most this many plans per group (a loop calls a few signatures; the oldest goes first).
 _PLANS = 256
@@ -204,14 +202,15 @@ class Issuer:
         array through a host copy, its result handed back to its module)."""
         name = coll.name
         on_device = routes.device_route(self._device, x)
-        if on_device is not None and coll.lower_device is not None:
+        if on_device is not None and coll.on_device:
             dev, xp = on_device
             key = coll.device_key(x, *args)
             if key is not None:
                 plan = self.plan(key, coll.device_plan, dev, xp, x, *args)
                 return self.run_returning(plan, x, async_op)
             c = self.enter(name)
-            return self.issue_on_device(name, coll.lower_device(c, dev, xp, x, *args), async_op)
+            lowered = coll.lower(c, x, *args, on=_device_lower.DeviceBuffers(dev, xp))
+            return self.issue_on_device(name, lowered, async_op)
         c = self.enter(name)
         host, back = routes.host_route(x)
         body, fields = coll.lower(c, host, *args, snapshot=bool(async_op))
@@ -368,7 +367,8 @@ class Issuer:
         return body
 
     def issue_on_device(self, op: str, lowered: _lower.Lowered, async_op: bool) -> Any:
-        """Run a call lowered by :mod:`meshcomm.group.device_lower` on the caller's thread.
+        """Run a call lowered onto :class:`~meshcomm.group.device_lower.DeviceBuffers` on the
+        caller's thread.
 
         Its body only queues device work, ordered on the caller's current CUDA stream, so
         it runs at once even when ``async_op`` (on the engine's thread the current stream
@@ -411,11 +411,11 @@ class Issuer:
             plans[key] = plan
         return plan
 
-    def run_returning(self, plan: _Returning, x: Any, async_op: bool) -> Any:
-        """Run a plan whose runner returns the result: a device call's
-        (:class:`~meshcomm.group.device_lower.DevicePlan`, ``x`` a C-contiguous device array
-        of its signature, run on the caller's thread as :meth:`issue_on_device` runs a
-        lowered one) or a rooted collective's (:class:`~meshcomm.group.plans.RootedPlan`).
+    def run_returning(self, plan: _plans.ReturningPlan, x: Any, async_op: bool) -> Any:
+        """Run a plan whose runner returns the result (:class:`~meshcomm.group.plans.
+        ReturningPlan`): a device call's (``x`` a C-contiguous device array of its
+        signature, run on the caller's thread as :meth:`issue_on_device` runs a lowered one)
+        or a rooted collective's.
 
         The fast case runs it inline (:meth:`_inline`; a device call carries no stamp). A
         call that needs more (a ``DETAIL`` or first-call check, a trace), an asynchronous
@@ -448,7 +448,7 @@ class Issuer:
             return self._device_work(plan.collective, result)
         return result
 
-    def run_device_plan(self, plan: _device_lower.DevicePlan, x: Any, async_op: bool) -> Any:
+    def run_device_plan(self, plan: _plans.ReturningPlan, x: Any, async_op: bool) -> Any:
         """:meth:`run_returning` of a device call's ``plan`` (the name the tests know)."""
         return self.run_returning(plan, x, async_op)
 

@@ -46,7 +46,7 @@ from meshcomm.reduction import ReduceOp
 
 __all__ = [
     "Plan",
-    "RootedPlan",
+    "ReturningPlan",
     "noted",
     "plan_all_gather",
     "plan_all_reduce",
@@ -110,7 +110,7 @@ class Plan:
         "stamp_base",
     )
 
-    #: Its runner fills a fresh result (a :class:`RootedPlan`'s returns its own).
+    #: Its runner fills a fresh result (a :class:`ReturningPlan`'s returns its own).
     fills = True
 
     def __init__(
@@ -154,8 +154,8 @@ def noted(c: Call, make: Callable[..., Any], note: tuple[tuple[str, Any], ...], 
     """
     plan = make(c, *args)
     fields = {**plan.fields, **dict(note)}
-    if isinstance(plan, RootedPlan):
-        return RootedPlan(plan.collective, fields, plan.run)
+    if isinstance(plan, ReturningPlan):
+        return ReturningPlan(plan.collective, fields, plan.run, plan.on_device)
     return Plan(plan.collective, fields, plan.run, plan.shape, plan.run_in_place)
 
 
@@ -341,24 +341,26 @@ def _placing_blocks(
 
 
 # -- rooted collectives --------------------------------------------------------------------
-class RootedPlan:
-    """A rooted call signature (``reduce``, ``gather``, ``scatter`` of a numpy array on
-    every rank) lowered once: its runner returns this rank's result, None off the root of a
-    ``reduce`` or a ``gather`` (the way a :class:`~meshcomm.group.device_lower.DevicePlan`
-    returns its own: the issuer runs both with
-    :meth:`~meshcomm.group.issuing.Issuer.run_returning`).
+class ReturningPlan:
+    """A call signature lowered once whose runner returns this rank's result: a rooted
+    collective's (``reduce``, ``gather``, ``scatter`` of a numpy array on every rank; None
+    off the root of a ``reduce`` or a ``gather``) or a device call's
+    (:func:`meshcomm.group.device_lower.plan_all_reduce`). The issuer runs both with
+    :meth:`~meshcomm.group.issuing.Issuer.run_returning`.
 
     Attributes:
         collective: the operation name.
         run: ``run(x)`` for a C-contiguous input of the signature: the call, its result.
         fields: the call's fingerprint fields (``shape`` is a ``scatter``'s block, as the
             lowering's).
-        ledger_fields: ``fields``.
-        sig: the call's signature, as the lowered call's.
-        stamp_base: ``sig`` in a stamp's high bits.
+        on_device: whether it runs on the group's device communicator.
+        ledger_fields: ``fields``, marked ``device`` on a device (what the ledger keeps).
+        sig: the call's signature (:func:`~meshcomm.diagnostics.fingerprint.signature_of`),
+            as the lowered call's.
+        stamp_base: ``sig`` in a stamp's high bits; None on a device (stamps ride on host
+            messages).
         dtype: the arrays' dtype.
         in_shape: ``fields["shape"]`` (what the ledger keeps).
-        on_device: False (a device plan's is True).
 
     Example:
         >>> from meshcomm.backends.local import SelfCommunicator
@@ -373,24 +375,31 @@ class RootedPlan:
         "fields",
         "in_shape",
         "ledger_fields",
+        "on_device",
         "run",
         "sig",
         "stamp_base",
     )
 
-    #: Runs on the host communicator.
-    on_device = False
     #: Its runner returns the result (a :class:`Plan`'s fills one).
     fills = False
 
-    def __init__(self, collective: str, fields: dict[str, Any], run: Callable[[Any], Any]):
+    def __init__(
+        self,
+        collective: str,
+        fields: dict[str, Any],
+        run: Callable[[Any], Any],
+        on_device: bool = False,
+    ) -> None:
         self.collective = collective
-        self.fields = self.ledger_fields = fields
+        self.fields = fields
+        self.ledger_fields = {**fields, "device": True} if on_device else fields
+        self.on_device = on_device
         self.run = run
         self.dtype: np.dtype = fields["dtype"]
         self.in_shape: tuple[int, ...] = fields["shape"]
-        self.sig = _fingerprint.signature_of(collective, fields, False)
-        self.stamp_base = self.sig << _fingerprint.SEQ_BITS
+        self.sig = _fingerprint.signature_of(collective, fields, on_device)
+        self.stamp_base = None if on_device else self.sig << _fingerprint.SEQ_BITS
 
 
 def _native_input(run: Callable[[Any], Any], given: np.dtype, dt: np.dtype) -> Callable[[Any], Any]:
@@ -404,7 +413,7 @@ def _native_input(run: Callable[[Any], Any], given: np.dtype, dt: np.dtype) -> C
     return run_native
 
 
-def plan_reduce(c: Call, x: np.ndarray, root: Any, op: Any, factor: None = None) -> RootedPlan:
+def plan_reduce(c: Call, x: np.ndarray, root: Any, op: Any, factor: None = None) -> ReturningPlan:
     """The plan of a ``reduce`` of ``x`` (no factor): the input copied into the buffer the
     wire reduces in place (the result on the root, scratch elsewhere)."""
     r = rank_arg(c, root, "root")
@@ -432,10 +441,10 @@ def plan_reduce(c: Call, x: np.ndarray, root: Any, op: Any, factor: None = None)
             comm.reduce(buf, r, prim)
             pool.give(base)  # not after a failure: the transport may still read it
 
-    return RootedPlan("reduce", fields, run)
+    return ReturningPlan("reduce", fields, run)
 
 
-def plan_gather(c: Call, x: np.ndarray, root: Any) -> RootedPlan:
+def plan_gather(c: Call, x: np.ndarray, root: Any) -> ReturningPlan:
     """The plan of a ``gather`` of ``x``: sent where it lies, stacked on the root."""
     r = rank_arg(c, root, "root")
     arr, dt = input_array(c, x)
@@ -455,12 +464,12 @@ def plan_gather(c: Call, x: np.ndarray, root: Any) -> RootedPlan:
         def run(x: np.ndarray) -> None:
             comm.gather(x.reshape(-1), None, r)
 
-    return RootedPlan("gather", fields, _native_input(run, arr.dtype, dt))
+    return ReturningPlan("gather", fields, _native_input(run, arr.dtype, dt))
 
 
 def plan_scatter(
     c: Call, x: np.ndarray, root: Any, shape: None = None, dtype: None = None
-) -> RootedPlan:
+) -> ReturningPlan:
     """The plan of a ``scatter`` with a stacked array ``x`` on every rank (no ``shape=``
     or ``dtype=``): the root sends from its ``x`` where it lies."""
     r = rank_arg(c, root, "root")
@@ -473,4 +482,4 @@ def plan_scatter(
         comm.scatter(x.reshape(-1) if is_root else None, recv, r)
         return recv.reshape(block)
 
-    return RootedPlan("scatter", fields, _native_input(run, arr.dtype, dt))
+    return ReturningPlan("scatter", fields, _native_input(run, arr.dtype, dt))
