@@ -3,8 +3,8 @@
 A group keeps one :class:`Plan` per call signature of its collectives on numpy arrays
 (collective, dtype, shape, reduce op or root, axes, ``tiled``; the backend is the group's),
 made on the signature's first call by the ``plan_*`` functions here with every check of
-:mod:`meshcomm.group.lower`, so a call that finds its plan skips no check. Its runner
-``run(x, result)`` is the backend's prepared one
+:mod:`meshcomm.group.signatures` (the lowering's), so a call that finds its plan skips no
+check. Its runner ``run(x, result)`` is the backend's prepared one
 (:meth:`~meshcomm.backends.base.Communicator.runner`), else the backend's primitive on flat
 views, wrapped where the signature needs more than the wire's layout:
 
@@ -15,8 +15,10 @@ views, wrapped where the signature needs more than the wire's layout:
   :func:`~meshcomm.group.arrays.unstack`);
 - a byte-swapped input: read in native order first.
 
-Calls with a ``premul_sum`` factor (a new scalar each call), lists and GPU arrays take the
-per-call lowering of :mod:`meshcomm.group.lower` instead.
+A call whose runner returns its result (a rooted collective's here, a device
+``all_reduce``'s in :mod:`meshcomm.group.device_lower`) has a :class:`ReturningPlan`. Calls
+with a ``premul_sum`` factor (a new scalar each call), lists and the other device calls take
+the per-call lowering of :mod:`meshcomm.group.lower` instead: a plan used once.
 
 Example:
     >>> from meshcomm.backends.local import SelfCommunicator

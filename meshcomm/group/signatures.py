@@ -3,11 +3,11 @@
 Every collective checks its arguments before any I/O and describes itself by its
 fingerprint fields (dtype, shape, reduce op, root, axes, ``tiled``: what the ledger keeps,
 what :mod:`meshcomm.diagnostics.fingerprint` compares across ranks). Those checks and fields
-are the same whether the call is lowered per call onto host buffers
-(:mod:`meshcomm.group.lower`), onto a device communicator
-(:mod:`meshcomm.group.device_lower`), or once for a cached plan (:mod:`meshcomm.group.plans`):
-they live here, one function per collective taking the input's native dtype and shape,
-so the three routes raise the same errors in the same words and describe a call alike.
+are the same whether the call is lowered per call (:mod:`meshcomm.group.lower`, onto host
+buffers or a device communicator's) or once for a cached plan (:mod:`meshcomm.group.plans`,
+:func:`meshcomm.group.device_lower.plan_all_reduce`): they live here, one function per
+collective taking the input's native dtype and shape, so every route raises the same errors
+in the same words and describes a call alike.
 
 A :class:`Call` is what checking and lowering one operation needs (the communicator, the
 world's pools, the words naming this rank and group); a group keeps one per operation.
