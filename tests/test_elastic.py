@@ -142,3 +142,14 @@ def test_a_shape_that_is_not_the_world_is_refused_before_any_io() -> None:
     with pytest.raises(InvalidArgument, match="unit 'pp' is not one of the axes"):
         ElasticMesh((2, 2), ("dp", "tp"), unit="pp", store=store, rank=0, world_size=4)
     assert store.num_keys() == 0
+
+
+def test_the_mpi_backend_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshcomm.elastic import ElasticMesh
+    from meshcomm.run import parse_args
+
+    monkeypatch.setenv("MESHCOMM_BACKEND", "mpi")
+    with pytest.raises(InvalidArgument, match="no ULFM"):
+        ElasticMesh((2,), ("dp",), store=HashStore(timeout=5), rank=0, world_size=2)
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc-per-node", "2", "--elastic", "--backend", "mpi", "x.py"])

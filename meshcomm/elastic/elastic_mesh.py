@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ElasticMesh"]
 
+# Stands for "a store will be given" when asking which backend init would choose.
+_NO_STORE: Any = object()
 # Seconds the survivors wait for a rank that has not said it is alive (at most the timeout).
 _AGREE_SECONDS = 2.0
 
@@ -109,6 +111,17 @@ class ElasticMesh:
         if unit not in names:
             raise InvalidArgument(f"ElasticMesh: unit {unit!r} is not one of the axes {names}")
         seconds = to_seconds(timeout)
+        backend = world.choose_backend(None, store=store or _NO_STORE)
+        if backend != "tcp":
+            why = (
+                "MPICH's wheel has no ULFM (MPIX_Comm_shrink), so an mpi world cannot go on "
+                "without a rank; restart the job whole (meshrun --max-restarts)"
+                if backend == "mpi"
+                else "device communicators (NCCL) are not re-made after a loss yet"
+            )
+            raise InvalidArgument(
+                f"ElasticMesh needs the tcp backend, got {backend!r} (MESHCOMM_BACKEND): {why}"
+            )
         rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
         size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         if int(np.prod(shape)) != size:

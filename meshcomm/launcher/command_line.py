@@ -297,6 +297,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     if ns.module and ns.no_python:
         parser.error("--module and --no-python cannot be combined")
     mpiexec = None
+    if ns.elastic and ns.backend == "mpi":
+        parser.error(
+            "--elastic needs the tcp backend: MPICH's wheel has no ULFM (MPIX_Comm_shrink), so "
+            "an mpi job cannot go on without a rank; use --max-restarts to restart it whole"
+        )
     if ns.backend == "mpi":
         if nnodes != 1:
             parser.error(
