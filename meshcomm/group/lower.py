@@ -221,6 +221,32 @@ def _send(t: Buffers, view: Any, dt: np.dtype, factor: Any = None) -> tuple[Any,
     return base, send
 
 
+def _moving(
+    t: Buffers,
+    move: Callable[[Any, Any], None],
+    view: Any,
+    dt: np.dtype,
+    block: tuple[int, ...],
+    axis: int,
+    size: int,
+    tiled: bool,
+) -> Callable[[], Any]:
+    """The body of a call that moves rank blocks (``all_gather``, ``all_to_all``): ``view``
+    sent rank-major by ``move(send, recv)``, the ``size`` blocks of shape ``block`` received
+    put together at ``axis`` (:func:`~meshcomm.group.arrays.unstack`)."""
+    base, send = _send(t, view, dt)
+    take, xp = t.take, t.xp
+    recv = take(dt, size * _prod(block))
+
+    def body() -> Any:
+        move(send, recv)
+        if base is not None:
+            t.give(base)
+        return unstack(recv, block, axis, size, tiled, take, xp)
+
+    return body
+
+
 # -- collectives ---------------------------------------------------------------------------
 def all_reduce(
     c: Call,
@@ -283,17 +309,7 @@ def all_gather(
     arr, dt = t.array(c, x)
     fields = _sig.all_gather(c, dt, arr.shape, axis, tiled)
     ax, tile = fields["axis"], fields["tiled"]
-    comm, size, shape, take, xp = t.comm, c.size, arr.shape, t.take, t.xp
-    base, send = _send(t, arr, dt)
-    recv = take(dt, size * arr.size)
-
-    def body() -> Any:
-        comm.all_gather(send, recv)
-        if base is not None:
-            t.give(base)
-        return unstack(recv, shape, ax, size, tile, take, xp)
-
-    return body, fields
+    return _moving(t, t.comm.all_gather, arr, dt, arr.shape, ax, c.size, tile), fields
 
 
 def reduce_scatter(
@@ -344,17 +360,8 @@ def all_to_all(
     arr, dt = t.array(c, x)
     fields, block = _sig.all_to_all(c, dt, arr.shape, split_axis, concat_axis, tiled)
     concat, tile = fields["axis2"], fields["tiled"]
-    comm, size, take, xp = t.comm, c.size, t.take, t.xp
-    base, send = _send(t, blocks_view(arr, fields["axis"], size, tiled, xp), dt)
-    recv = take(dt, size * _prod(block))
-
-    def body() -> Any:
-        comm.all_to_all(send, recv)
-        if base is not None:
-            t.give(base)
-        return unstack(recv, block, concat, size, tile, take, xp)
-
-    return body, fields
+    view = blocks_view(arr, fields["axis"], c.size, tiled, t.xp)
+    return _moving(t, t.comm.all_to_all, view, dt, block, concat, c.size, tile), fields
 
 
 def broadcast(
