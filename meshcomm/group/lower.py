@@ -186,7 +186,14 @@ class HostBuffers:
 
 
 def _buffers(c: Call, snapshot: bool, on: Buffers | None) -> Buffers:
-    return HostBuffers(c, snapshot) if on is None else on
+    """``on``, else ``c``'s host buffers for a call that snapshots its input or not (made
+    once per call context)."""
+    if on is not None:
+        return on
+    host = c.buffers
+    if host is None:
+        host = c.buffers = (HostBuffers(c, False), HostBuffers(c, True))
+    return host[1] if snapshot else host[0]
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -206,8 +213,8 @@ def _fill(xp: ModuleType, dst: Any, src: Any, factor: Any) -> None:
     (a 0-d array in the dtype) where it is not None: one pass either way."""
     if factor is None:
         xp.copyto(dst, src)
-    else:
-        xp.multiply(src, xp.asarray(factor, dtype=dst.dtype), out=dst)
+    else:  # a numpy factor is one already; a device takes its own module's
+        xp.multiply(src, factor if xp is np else xp.asarray(factor, dtype=dst.dtype), out=dst)
 
 
 def _send(t: Buffers, view: Any, dt: np.dtype, factor: Any = None) -> tuple[Any, Any]:
@@ -545,7 +552,7 @@ def send(c: Call, x: Any, dst: Any, tag: Any, snapshot: bool = True) -> Lowered:
     d = rank_arg(c, dst, "dst")
     t = tag_arg(c.where, tag)
     arr, dt = input_array(c, x)
-    comm, on = c.comm, HostBuffers(c, snapshot)
+    comm, on = c.comm, _buffers(c, snapshot, None)
     base, flat = _send(on, arr, dt)
     buf = flat.reshape(arr.shape)  # sent with its shape
 

@@ -89,9 +89,11 @@ class Call:
         size: ``comm.size``.
         runners: the runners its plans made, by (dtype, op or root): a signature that
             differs only in shape reuses one.
+        buffers: the host buffers its lowerings take (synchronous, asynchronous), made on
+            first use (:func:`meshcomm.group.lower.HostBuffers`), or None.
     """
 
-    __slots__ = ("comm", "pool", "rank", "results", "runners", "size", "where")
+    __slots__ = ("buffers", "comm", "pool", "rank", "results", "runners", "size", "where")
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class Call:
         self.rank = comm.rank
         self.size = comm.size
         self.runners: dict[tuple[np.dtype, Any], Runner] = {}
+        self.buffers: Any = None
 
 
 # -- single arguments ------------------------------------------------------------------------
