@@ -90,7 +90,7 @@ class Call:
         runners: the runners its plans made, by (dtype, op or root): a signature that
             differs only in shape reuses one.
         buffers: the host buffers its lowerings take (synchronous, asynchronous), made on
-            first use (:func:`meshcomm.group.lower.HostBuffers`), or None.
+            first use (:class:`meshcomm.group.lower.HostBuffers`), or None.
     """
 
     __slots__ = ("buffers", "comm", "pool", "rank", "results", "runners", "size", "where")
