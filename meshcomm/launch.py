@@ -48,6 +48,7 @@ from meshcomm.errors import InvalidArgument, MeshCommError, RendezvousError
 
 __all__ = [
     "ELASTIC_ENV",
+    "JOIN_ENV",
     "STORE_HOSTS",
     "LaunchInfo",
     "check_port",
@@ -63,6 +64,9 @@ __all__ = [
 #: Set to "1" by ``meshrun --elastic``: the launcher lets the other ranks go on when one
 #: fails (:mod:`meshcomm.elastic` shrinks the world).
 ELASTIC_ENV = "MESHCOMM_ELASTIC"
+#: Set to "1" in a rank that ``meshrun --elastic --max-restarts`` started in place of a lost
+#: one: its ElasticMesh joins the running mesh instead of forming the first world.
+JOIN_ENV = "MESHCOMM_ELASTIC_JOIN"
 #: Values of :attr:`LaunchInfo.store_host`: who serves the store at the master address.
 STORE_HOSTS = ("rank0", "launcher", "torchelastic")
 

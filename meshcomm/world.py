@@ -105,6 +105,7 @@ class World:
         store: Store | None = None,
         *,
         env: Mapping[str, str] | None = None,
+        generation: int | None = None,
     ) -> ProcessGroup:
         """Join the world; see :func:`meshcomm.world.init`."""
         env = os.environ if env is None else env
@@ -120,8 +121,9 @@ class World:
                     f"meshcomm.init() was already called in this process (rank {group.rank} of "
                     f"{group.size}, backend {group.backend!r}); call meshcomm.shutdown() first"
                 )
-            generation = self._generation
-            self._generation += 1
+            if generation is None:
+                generation = self._generation
+            self._generation = max(self._generation, generation) + 1
             if name == "mpi" and store is None and init_method in (None, "env://"):
                 # The world is MPI_COMM_WORLD: MPI itself brought the ranks together; rank 0
                 # serves a store beside it, for the hang verdicts (meshcomm.rendezvous.mpi_store).
@@ -394,6 +396,8 @@ def init(
     rank: int | None = None,
     timeout: Timeout | None = None,
     store: Store | None = None,
+    *,
+    generation: int | None = None,
 ) -> ProcessGroup:
     """Join the default world and return its group.
 
@@ -418,6 +422,10 @@ def init(
             of the world (default: ``MESHCOMM_TIMEOUT`` or 300 s).
         store: a store shared by all ranks, instead of ``init_method``; needs ``rank`` and
             ``world_size``. meshcomm does not close it.
+        generation: the number of this world in the sequence of worlds the ranks make over
+            one store, which keeps their keys apart (default: how many worlds this process
+            made before). A process that joins ranks which made worlds before it gives theirs
+            (:mod:`meshcomm.elastic` does).
 
     Returns:
         The world :class:`~meshcomm.group.ProcessGroup`.
@@ -433,7 +441,9 @@ def init(
         (0,)
         >>> world.shutdown()
     """
-    return _WORLD.init(backend, init_method, world_size, rank, timeout, store)
+    return _WORLD.init(
+        backend, init_method, world_size, rank, timeout, store, generation=generation
+    )
 
 
 def shutdown() -> None:

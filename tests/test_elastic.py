@@ -35,12 +35,14 @@ def _shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("mcshm")}
 
 
-def _run(ranks: int, shape: str, steps: int, kills: list[str]) -> tuple[int, dict[int, Any], str]:
+def _run(
+    ranks: int, shape: str, steps: int, kills: list[str], ms: int = 0, flags: tuple[str, ...] = ()
+) -> tuple[int, dict[int, Any], str]:
     env = dict(os.environ, MESHCOMM_TIMEOUT="10", PYTHONPATH=str(REPO))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "meshcomm.run", "--elastic", "--nproc-per-node", str(ranks),
-               str(SCRIPT), shape, str(steps), *kills]  # fmt: skip
+    command = [sys.executable, "-m", "meshcomm.run", "--elastic", *flags, "--nproc-per-node",
+               str(ranks), str(SCRIPT), shape, str(steps), str(ms), *kills]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(REPO), start_new_session=True)  # fmt: skip
     try:
@@ -105,6 +107,36 @@ def test_sigkilled_ranks_shrink_the_mesh_and_the_run_matches_the_replay(
     for arg in kills:
         victim = int(arg.split(":")[0])
         assert f"rank {victim} (pid" in err and "go on without it (--elastic)" in err, err
+    assert _shm() <= before, _shm() - before
+
+
+@pytest.mark.parametrize(
+    ("ranks", "shape", "victim", "unit"),
+    [(4, "4", 2, [2]), (8, "4x2", 5, [4, 5])],
+    ids=["dp4", "dp4xtp2"],
+)
+def test_a_replacement_rejoins_and_the_dp_axis_grows_back(
+    ranks: int, shape: str, victim: int, unit: list[int]
+) -> None:
+    """meshrun --elastic --max-restarts 1 starts the killed rank again; it joins at a step
+    boundary (with the rank of its unit that waited), receives the state from a live
+    replica, and the run goes on at full size: every rank ends with the replay's values."""
+    before = _shm()
+    rc, lines, err = _run(ranks, shape, 40, [f"{victim}:3"], ms=30, flags=("--max-restarts", "1"))
+    assert rc == 0, err[-3000:]
+    assert f"started rank {victim} again" in err, err[-3000:]
+    assert sorted(r for r, v in lines.items() if "w" in v) == list(range(ranks)), lines
+    history = lines[0]["history"]
+    sizes = [len(members) for _, members in history]
+    assert sizes[0] == ranks and sizes[-1] == ranks, sizes
+    assert min(sizes) == ranks - len(unit), sizes  # shrunk by the unit, then grown back
+    reference = _replay(history, int(shape.split("x")[1]) if "x" in shape else 1)
+    for r, v in lines.items():
+        np.testing.assert_allclose(v["w"], reference, rtol=1e-12, atol=1e-12)
+        if r not in unit:  # the unit's ranks were away for a while
+            assert v["history"] == history, (r, v["history"])
+    assert lines[victim]["joined"] == "1", lines[victim]
+    assert all(lines[r]["growths"] == 1 for r in range(ranks)), lines
     assert _shm() <= before, _shm() - before
 
 

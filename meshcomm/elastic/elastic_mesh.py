@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,9 +35,10 @@ import numpy as np
 from meshcomm import world
 from meshcomm.common.secret import job_secret
 from meshcomm.common.timeout import Timeout, to_seconds
+from meshcomm.elastic.joining import admit, announce_done, pending, wait_for_admission, waiting
 from meshcomm.elastic.membership import agree
 from meshcomm.errors import InvalidArgument, LeftTheMesh, NoValidMesh, PeerError
-from meshcomm.launch import ELASTIC_ENV
+from meshcomm.launch import ELASTIC_ENV, JOIN_ENV
 from meshcomm.mesh import DeviceMesh, init_device_mesh
 
 if TYPE_CHECKING:
@@ -46,6 +48,8 @@ __all__ = ["ElasticMesh"]
 
 # Stands for "a store will be given" when asking which backend init would choose.
 _NO_STORE: Any = object()
+# Seconds a rank waits to be let (back) into the mesh.
+_JOIN_SECONDS = 300.0
 # Seconds the survivors wait for a rank that has not said it is alive (at most the timeout).
 _AGREE_SECONDS = 2.0
 
@@ -77,11 +81,14 @@ class ElasticMesh:
             counting it gone (at most ``timeout``).
         store, rank, world_size: a store every rank shares and that outlives them, with
             this process's rank; default: ``meshrun --elastic``'s store and environment.
+        join_seconds: how long a rank waits to be let (back) into the mesh (:meth:`join`).
 
     Attributes:
         mesh: the current :class:`~meshcomm.mesh.DeviceMesh`.
         members: the ranks of the first world that are in the current one, in rank order.
-        rounds: how many times the mesh shrank.
+        rounds: how many times the mesh was re-formed (shrunk or grown).
+        joined: the ranks (first-world) let in when the mesh last grew, this one among them
+            when it joined then; () after a shrink.
 
     Raises:
         InvalidArgument: a shape that is not the world's size, an unknown ``unit``, or no
@@ -99,6 +106,7 @@ class ElasticMesh:
         store: Store | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        join_seconds: float = _JOIN_SECONDS,
     ) -> None:
         shape = tuple(int(n) for n in mesh_shape)
         names = tuple(mesh_dim_names)
@@ -135,14 +143,25 @@ class ElasticMesh:
         self._agree = min(float(agree_seconds), seconds)
         self._names, self._shape, self._axis = names, shape, names.index(unit)
         self._origin = rank
+        self._first_shape = shape
+        self._join_seconds = float(join_seconds)
         self.members: tuple[int, ...] = tuple(range(size))
         self.rounds = 0
-        self.mesh: DeviceMesh = self._form()
+        self.joined: tuple[int, ...] = ()
+        if os.environ.get(JOIN_ENV) == "1":  # a replacement meshrun started for a lost rank
+            self.join()
+        else:
+            self.mesh: DeviceMesh = self._form()
 
     @property
     def rank(self) -> int:
         """This process's rank in the current world."""
         return self.members.index(self._origin)
+
+    @property
+    def unit(self) -> str:
+        """The axis whose slices leave and join together."""
+        return self._names[self._axis]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -153,7 +172,14 @@ class ElasticMesh:
         from meshcomm.store import PrefixStore
 
         store = PrefixStore(f"meshcomm/elastic/world/{self.rounds}/", self._store)
-        world.init(store=store, rank=self.rank, world_size=len(self.members), timeout=self._seconds)
+        self._grow_calls = 0
+        world.init(
+            store=store,
+            rank=self.rank,
+            world_size=len(self.members),
+            timeout=self._seconds,
+            generation=self.rounds,
+        )
         return init_device_mesh(self._shape, self._names)
 
     def shrink(self, error: BaseException | None = None) -> None:
@@ -191,7 +217,75 @@ class ElasticMesh:
         shape[self._axis] -= len(lost_units)
         self._shape = tuple(shape)
         self.members = tuple(self.members[r] for r in keep)
+        self.joined = ()
         self.mesh = self._form()
+
+    def join(self) -> None:
+        """Wait (up to ``join_seconds``) until the mesh lets this rank (back) in, then form
+        the world and mesh with its members: a replacement for a lost rank, or a rank whose
+        unit left, once its unit is whole again (see :mod:`meshcomm.elastic.joining`).
+
+        Raises:
+            LeftTheMesh: the mesh finished first.
+            CommTimeout: not let in within ``join_seconds``.
+        """
+        record = wait_for_admission(self._store, self._origin, self._join_seconds)
+        self.rounds = int(record["round"])
+        self.members = tuple(int(r) for r in record["members"])
+        self._shape = tuple(int(n) for n in record["shape"])
+        self.joined = tuple(int(r) for r in record["joined"])
+        self.mesh = self._form()
+
+    def grow(self) -> tuple[int, ...]:
+        """Let in every whole unit of the ranks waiting to join; every member calls it at
+        the same step boundary. The current world's rank 0 decides.
+
+        Returns:
+            The first-world ranks let in (then the world and mesh are re-formed with them),
+            or () when no unit is whole yet.
+        """
+        # A decision per call: the members call it at the same boundaries of this world.
+        self._grow_calls += 1
+        key = f"meshcomm/elastic/grow/{self.rounds}/{self._grow_calls}"
+        if self.rank == 0:
+            self._store.set(key, json.dumps(self._admissible()))
+        else:
+            self._store.wait([key], timeout=self._seconds)
+        record = json.loads(self._store.get(key))
+        if not record["joined"]:
+            return ()
+        world.shutdown()
+        self.rounds += 1
+        self.members = tuple(record["members"])
+        self._shape = tuple(record["shape"])
+        self.joined = tuple(record["joined"])
+        self.mesh = self._form()
+        return self.joined
+
+    def _admissible(self) -> dict[str, Any]:
+        """Rank 0's decision: the whole units among the ranks waiting (let in at once)."""
+        asked = {r for r in waiting(self._store) if r not in self.members}
+        coords = np.unravel_index(np.arange(int(np.prod(self._first_shape))), self._first_shape)
+        unit_of = coords[self._axis]
+        units = sorted({int(unit_of[r]) for r in asked})
+        whole = [u for u in units if all(r in asked for r in np.flatnonzero(unit_of == u))]
+        joined = sorted(int(r) for u in whole for r in np.flatnonzero(unit_of == u))
+        members = tuple(sorted((*self.members, *joined)))
+        shape = list(self._shape)
+        shape[self._axis] += len(whole)
+        record = {"members": list(members), "shape": shape, "joined": joined}
+        if joined:
+            admit(self._store, self.rounds + 1, joined, members, tuple(shape))
+        return record
+
+    def waiting(self) -> int:
+        """How many ranks wait to join (a store round trip)."""
+        return pending(self._store)
+
+    def finish(self) -> None:
+        """Say the mesh finished (rank 0): ranks still waiting to join go home."""
+        if self.rank == 0:
+            announce_done(self._store)
 
     def close(self) -> None:
         """Leave the world (and close the store connection this object opened)."""

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +37,8 @@ from meshcomm.mesh import DeviceMesh
 __all__ = ["Manager"]
 
 State = dict[str, Any]
+# Seconds between looks at the store for ranks waiting to join.
+_LOOK = 0.5
 Step = Callable[[DeviceMesh, State, int], Mapping[str, Any]]
 
 
@@ -48,8 +51,14 @@ class Manager:
 
     Args:
         elastic: the mesh.
-        state: the starting state (a dict of arrays); copied.
+        state: the starting state (a dict of arrays; on a rank that joins a running mesh,
+            of the same keys, shapes and dtypes: it receives the members' values); copied.
         step: the number of the first step.
+        rejoin: a rank whose unit left waits to come back when its unit is whole again (a
+            replacement started by ``meshrun --elastic --max-restarts``) instead of
+            returning None at once.
+        look: seconds between looks at the store for ranks waiting to join (each look is a
+            store round trip on every rank, at a step boundary).
 
     Attributes:
         elastic: the mesh.
@@ -57,15 +66,28 @@ class Manager:
         history: ``(step, members)`` of each committed step: the ranks (of the first
             world) that ran it, for checking a run against a reference.
         recoveries: how many times the mesh shrank.
+        growths: how many times ranks were let (back) in.
     """
 
-    def __init__(self, elastic: ElasticMesh, state: Mapping[str, Any], step: int = 0) -> None:
+    def __init__(
+        self,
+        elastic: ElasticMesh,
+        state: Mapping[str, Any],
+        step: int = 0,
+        *,
+        rejoin: bool = True,
+        look: float = _LOOK,
+    ) -> None:
         self.elastic = elastic
         self.step = step
         self._state = _copy(state)
         self._previous: tuple[int, State] | None = None
+        self._rejoin = rejoin
+        self._look = look
+        self._looked = time.monotonic()
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.recoveries = 0
+        self.growths = 0
 
     @property
     def state(self) -> State:
@@ -76,35 +98,62 @@ class Manager:
         """Run ``step`` until ``steps`` steps are committed.
 
         Returns:
-            The final state, or None on a rank that left the mesh (its unit lost a member).
+            The final state, or None on a rank that left the mesh (its unit lost a member)
+            and was not let back in before the others finished.
 
         Raises:
             NoValidMesh: no unit of the mesh remains whole.
             Exception: whatever ``step`` raises other than a ``CommError``.
         """
+        if self._origin() in self.elastic.joined:
+            self._receive_state()
         while self.step < steps:
             try:
                 new = _copy(step(self.elastic.mesh, _copy(self._state), self.step))
-                world.get_world().all_reduce(np.ones(1, np.int8))  # the vote
+                vote = world.get_world().all_reduce(np.array([self._someone_waits()]), "max")
             except CommError as exc:
-                try:
-                    self._recover(exc)
-                except LeftTheMesh:
+                if not self._recover(exc):
                     return None
                 continue
             self._previous = (self.step, self._state)
             self._state = new
             self.history.append((self.step, self.elastic.members))
             self.step += 1
+            if vote[0] and self.elastic.grow():
+                self.growths += 1
+                self._receive_state()
+        self.elastic.finish()
         return self.state
 
-    def _recover(self, error: BaseException) -> None:
-        """Shrink, then go back to the last step every survivor committed."""
-        self.elastic.shrink(error)
+    def _origin(self) -> int:
+        return self.elastic.members[self.elastic.rank]
+
+    def _someone_waits(self) -> int:
+        """1 when the store says a rank waits to join (looked at every ``look`` seconds)."""
+        now = time.monotonic()
+        if now - self._looked < self._look:
+            return 0
+        self._looked = now
+        return int(self.elastic.waiting() > 0)
+
+    def _recover(self, error: BaseException) -> bool:
+        """Shrink, then go back to the last step every survivor committed; False when this
+        rank left the mesh for good."""
+        try:
+            self.elastic.shrink(error)
+        except LeftTheMesh:
+            if not self._rejoin:
+                return False
+            try:
+                self.elastic.join()
+            except LeftTheMesh:  # the others finished first
+                return False
+            self._receive_state()
+            return True
         self.recoveries += 1
         agreed = int(world.get_world().all_reduce(np.array([self.step], np.int64), "min")[0])
         if agreed == self.step:
-            return
+            return True
         if self._previous is None or agreed != self.step - 1:  # pragma: no cover - by the vote
             raise CommError(
                 f"rank {self.elastic.rank}: the survivors committed step {agreed}, this rank "
@@ -113,3 +162,17 @@ class Manager:
         self.step, self._state = self._previous
         self._previous = None
         self.history.pop()
+        return True
+
+    def _receive_state(self) -> None:
+        """After ranks joined: the step and the state from the members that were there (each
+        array along the unit axis, from a member of this rank's unit group)."""
+        elastic, joined = self.elastic, set(self.elastic.joined)
+        group = world.get_world()
+        source = next(i for i, r in enumerate(elastic.members) if r not in joined)
+        self.step = int(group.broadcast(np.array([self.step], np.int64), source)[0])
+        axis = elastic.mesh.get_group(elastic.unit)
+        root = next(i for i, g in enumerate(axis.ranks) if elastic.members[g] not in joined)
+        self._state = {k: axis.broadcast(v, root) for k, v in sorted(self._state.items())}
+        self._previous = None
+        self.growths += self._origin() in joined

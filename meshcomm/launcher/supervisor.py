@@ -28,6 +28,7 @@ from typing import IO, Any
 
 from meshcomm.diagnostics.job_report import Gathering
 from meshcomm.diagnostics.signal_report import REPORT_DIR_ENV, TIMEOUT_FILE
+from meshcomm.launch import JOIN_ENV
 from meshcomm.launcher.config import LaunchConfig, child_environment
 from meshcomm.launcher.exit_notes import ExitNotary, ExitNote
 from meshcomm.launcher.fork_start import fork_rank
@@ -126,6 +127,7 @@ class Supervisor:
         self.failures: list[Rank] = []
         # --elastic: ranks that failed while others ran on (those shrink their world).
         self.lost: list[Rank] = []
+        self.replaced = 0  # ranks started again in place of lost ones (--elastic)
         self.stop_signal: int | None = None  # a signal meshrun itself received
         self.kill_at: float | None = None  # when stopping: SIGKILL deadline
         self.drain_until: float | None = None
@@ -144,39 +146,49 @@ class Supervisor:
 
     def start(self, signals: dict[int, Any] | None = None) -> None:
         """Start every rank; with ``signals`` (the dispositions forked ranks get), fork them."""
+        for local_rank in range(self.config.nproc_per_node):
+            self._start_rank(local_rank, signals, self.restart)
+
+    def _start_rank(
+        self, local_rank: int, signals: dict[int, Any] | None, restart: int, joins: bool = False
+    ) -> Rank:
+        """Start one rank (forked with ``signals``, else spawned); ``joins``: it replaces a
+        lost rank of an ``--elastic`` job and joins the running mesh."""
         cfg = self.config
-        for local_rank in range(cfg.nproc_per_node):
-            rank = cfg.node_rank * cfg.nproc_per_node + local_rank
-            env = child_environment(
-                cfg,
-                local_rank,
-                self.master_port,
-                restart=self.restart,
-                rank_log_dir=self.logs.rank_dir(local_rank),
+        rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+        env = child_environment(
+            cfg,
+            local_rank,
+            self.master_port,
+            restart=restart,
+            rank_log_dir=self.logs.rank_dir(local_rank),
+        )
+        env[REPORT_DIR_ENV] = self.report_dir
+        if joins:
+            env[JOIN_ENV] = "1"
+        proc: subprocess.Popen[bytes] | Forked
+        if signals is not None:
+            proc = self._fork(env, signals)
+        else:
+            pipe = subprocess.PIPE if self.piped else None
+            proc = subprocess.Popen(
+                supervised_command(cfg.command),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=pipe,
+                stderr=pipe,
             )
-            env[REPORT_DIR_ENV] = self.report_dir
-            proc: subprocess.Popen[bytes] | Forked
-            if signals is not None:
-                proc = self._fork(env, signals)
-            else:
-                pipe = subprocess.PIPE if self.piped else None
-                proc = subprocess.Popen(
-                    supervised_command(cfg.command),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=pipe,
-                    stderr=pipe,
-                )
-            try:
-                pidfd: int | None = os.pidfd_open(proc.pid)
-            except (AttributeError, OSError):
-                pidfd = None
-            entry = Rank(rank, proc, pidfd)
-            self.ranks.append(entry)
-            if pidfd is not None:
-                self.selector.register(pidfd, selectors.EVENT_READ, None)
-            if self.piped:
-                self._watch_output(entry, local_rank)
+        try:
+            pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        entry = Rank(rank, proc, pidfd)
+        self.ranks.append(entry)
+        if pidfd is not None:
+            self.selector.register(pidfd, selectors.EVENT_READ, None)
+        if self.piped:
+            self._watch_output(entry, local_rank)
+        return entry
 
     def _watch_output(self, entry: Rank, local_rank: int) -> None:
         proc = entry.proc
@@ -307,6 +319,7 @@ class Supervisor:
                         f"rank {entry.rank} (pid {entry.proc.pid}) {describe_exit(code)}; the "
                         f"other {others} ranks go on without it (--elastic)"
                     )
+                    self._replace(entry)
                     continue
                 self.failures.append(entry)
                 if len(self.failures) == 1:
@@ -315,6 +328,21 @@ class Supervisor:
                     self.err.say(
                         f"rank {entry.rank} (pid {entry.proc.pid}) {describe_exit(code)}{tail}"
                     )
+
+    def _replace(self, lost: Rank) -> None:
+        """``--elastic --max-restarts N``: start a rank in place of ``lost`` (spawned: the
+        store server's thread runs now), which joins the running mesh; N for the node."""
+        if self.replaced >= self.config.torchrun.max_restarts:
+            return
+        self.replaced += 1
+        local_rank = lost.rank - self.config.node_rank * self.config.nproc_per_node
+        # The attempt's restart count: the replacement meets the others' store keys.
+        entry = self._start_rank(local_rank, None, self.restart, joins=True)
+        self.err.say(
+            f"started rank {entry.rank} again (pid {entry.proc.pid}; replacement "
+            f"{self.replaced} of --max-restarts {self.config.torchrun.max_restarts}): it joins "
+            "the running mesh"
+        )
 
     def _on_signal(self, signum: int) -> None:
         if signum == report_signal(self.config):

@@ -1,11 +1,13 @@
 """A data-parallel training loop under meshcomm.elastic (run by tests/test_elastic.py).
 
-    meshrun --elastic --nproc-per-node N elastic_train.py SHAPE STEPS [RANK:STEP ...]
+    meshrun --elastic --nproc-per-node N elastic_train.py SHAPE STEPS MS [RANK:STEP ...]
 
-SHAPE is ``4`` or ``4x2`` (axes dp, tp); each RANK:STEP makes that rank SIGKILL itself
-when it starts that step. Each rank that finishes prints one JSON line: its final
-parameters, the members (first-world ranks) of every committed step, and its recoveries;
-a rank that left the mesh prints ``{"rank": R, "left": true}``.
+SHAPE is ``4`` or ``4x2`` (axes dp, tp); each step sleeps MS milliseconds (the compute);
+each RANK:STEP makes that rank SIGKILL itself when it starts that step (not a replacement
+that ``--max-restarts`` started: that one joins the running mesh). Each rank that
+finishes prints one JSON line: its final parameters, the members (first-world ranks) of
+every committed step, its recoveries and growths; a rank that left the mesh for good prints
+``{"rank": R, "left": true}``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -32,14 +35,17 @@ def sample(step: int, replica: int) -> np.ndarray:
 
 def main() -> None:
     shape = tuple(int(n) for n in sys.argv[1].split("x"))
-    steps = int(sys.argv[2])
-    kills = {tuple(int(v) for v in arg.split(":")) for arg in sys.argv[3:]}
+    steps, pause = int(sys.argv[2]), float(sys.argv[3]) / 1e3
+    kills = {tuple(int(v) for v in arg.split(":")) for arg in sys.argv[4:]}
+    if os.environ.get("MESHCOMM_ELASTIC_JOIN") == "1":
+        kills = set()
     rank = int(os.environ["RANK"])
     elastic = ElasticMesh(shape, ("dp", "tp")[: len(shape)], unit="dp")
 
     def step(mesh, state, i):  # type: ignore[no-untyped-def]
         if (rank, i) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(pause)
         replicas, replica = mesh.size("dp"), mesh.get_local_rank("dp")
         grad = state["w"] - sample(i, replica)
         return {"w": state["w"] - RATE * ops.psum(grad, "dp", mesh=mesh) / replicas}
@@ -54,8 +60,15 @@ def main() -> None:
         print(json.dumps({"rank": rank, "left": True}), flush=True)
         return
     history = [[s, list(members)] for s, members in manager.history]
-    line = {"rank": rank, "w": final["w"].tolist(), "history": history,
-            "recoveries": manager.recoveries, "shape": list(elastic.shape)}  # fmt: skip
+    line = {
+        "rank": rank,
+        "w": final["w"].tolist(),
+        "history": history,
+        "recoveries": manager.recoveries,
+        "growths": manager.growths,
+        "shape": list(elastic.shape),
+        "joined": os.environ.get("MESHCOMM_ELASTIC_JOIN"),
+    }
     print(json.dumps(line), flush=True)
     elastic.close()
 
