@@ -84,11 +84,12 @@ class ElasticMesh:
         join_seconds: how long a rank waits to be let (back) into the mesh (:meth:`join`).
 
     Attributes:
-        mesh: the current :class:`~meshcomm.mesh.DeviceMesh`.
         members: the ranks of the first world that are in the current one, in rank order.
         rounds: how many times the mesh was re-formed (shrunk or grown).
         joined: the ranks (first-world) let in when the mesh last grew, this one among them
             when it joined then; () after a shrink.
+        finished: a replacement that came after the others finished (it has no ``mesh``;
+            :class:`Manager` returns None at once).
 
     Raises:
         InvalidArgument: a shape that is not the world's size, an unknown ``unit``, or no
@@ -148,15 +149,31 @@ class ElasticMesh:
         self.members: tuple[int, ...] = tuple(range(size))
         self.rounds = 0
         self.joined: tuple[int, ...] = ()
+        self.finished = False
+        self._mesh: DeviceMesh | None = None
         if os.environ.get(JOIN_ENV) == "1":  # a replacement meshrun started for a lost rank
-            self.join()
+            try:
+                self.join()
+            except LeftTheMesh:  # the others finished before it could join: nothing to do
+                self.finished = True
         else:
-            self.mesh: DeviceMesh = self._form()
+            self._mesh = self._form()
 
     @property
     def rank(self) -> int:
         """This process's rank in the current world."""
         return self.members.index(self._origin)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The current :class:`~meshcomm.mesh.DeviceMesh`.
+
+        Raises:
+            LeftTheMesh: a replacement that came after the others finished has none.
+        """
+        if self._mesh is None:
+            raise LeftTheMesh(f"rank {self._origin}: the mesh finished before this rank joined")
+        return self._mesh
 
     @property
     def unit(self) -> str:
@@ -218,7 +235,7 @@ class ElasticMesh:
         self._shape = tuple(shape)
         self.members = tuple(self.members[r] for r in keep)
         self.joined = ()
-        self.mesh = self._form()
+        self._mesh = self._form()
 
     def join(self) -> None:
         """Wait (up to ``join_seconds``) until the mesh lets this rank (back) in, then form
@@ -234,7 +251,7 @@ class ElasticMesh:
         self.members = tuple(int(r) for r in record["members"])
         self._shape = tuple(int(n) for n in record["shape"])
         self.joined = tuple(int(r) for r in record["joined"])
-        self.mesh = self._form()
+        self._mesh = self._form()
 
     def grow(self) -> tuple[int, ...]:
         """Let in every whole unit of the ranks waiting to join; every member calls it at
@@ -259,7 +276,7 @@ class ElasticMesh:
         self.members = tuple(record["members"])
         self._shape = tuple(record["shape"])
         self.joined = tuple(record["joined"])
-        self.mesh = self._form()
+        self._mesh = self._form()
         return self.joined
 
     def _admissible(self) -> dict[str, Any]:

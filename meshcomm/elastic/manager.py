@@ -105,6 +105,8 @@ class Manager:
             NoValidMesh: no unit of the mesh remains whole.
             Exception: whatever ``step`` raises other than a ``CommError``.
         """
+        if self.elastic.finished:  # a replacement that came too late
+            return None
         if self._origin() in self.elastic.joined:
             self._receive_state()
         while self.step < steps:
