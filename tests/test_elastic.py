@@ -51,13 +51,18 @@ def _run(
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"meshrun --elastic ran past 120 s:\n{err[-3000:]}")
+    return proc.returncode, lines_of(out), err
+
+
+def lines_of(out: str) -> dict[int, Any]:
+    """Each rank's JSON line from meshrun's output (its ``[rankN] `` label dropped)."""
     lines: dict[int, Any] = {}
     for line in out.splitlines():
         body = line.split("] ", 1)[1] if line.startswith("[rank") else line
         if body.startswith("{"):
             record = json.loads(body)
             lines[record["rank"]] = record
-    return proc.returncode, lines, err
+    return lines
 
 
 def _replay(history: list[list[Any]], tp: int) -> np.ndarray:
