@@ -12,7 +12,6 @@ MeshCommError`` catches them all. The tree::
     │   ├── CommTimeout         a peer stayed silent past the timeout (also a TimeoutError)
     │   ├── PeerError           a peer went away (its process died, its connection closed)
     │   ├── MismatchError       ranks called different collectives (op, dtype, shape, root...)
-    │   ├── MeshShrinking       the world lost a rank and is re-formed (meshcomm.elastic)
     │   ├── LeftTheMesh         this rank left the mesh when it shrank (its replica lost one)
     │   ├── NoValidMesh         no mesh of the required shape remains among the survivors
     │   └── ProtocolError       bytes on the wire were not what the protocol allows
@@ -46,7 +45,6 @@ __all__ = [
     "LeftTheMesh",
     "LinkAuthError",
     "MeshCommError",
-    "MeshShrinking",
     "MismatchError",
     "MismatchTimeout",
     "NoValidMesh",
@@ -102,19 +100,6 @@ class PeerError(CommError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
-
-
-class MeshShrinking(CommError):
-    """The world lost a rank and is being re-formed among the survivors
-    (:mod:`meshcomm.elastic`); a call in flight then ends with this.
-
-    Attributes:
-        lost: the global ranks (of the world that failed) found gone.
-    """
-
-    def __init__(self, message: str, lost: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.lost = lost
 
 
 class LeftTheMesh(CommError):

@@ -161,8 +161,10 @@ class World:
             self._hang_warning = _hang_warn.HangWarning.start(group, rdzv.store, hang_warn_after)
             return group
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str | None = None) -> None:
         """Close the world group and the store this process opened. Idempotent.
+
+        ``reason``: what a later call on the world's groups says (default: closed).
 
         The rank hosting the store server waits (up to the world's timeout) until every rank
         has called shutdown, so its server outlives every rank that still uses it.
@@ -181,7 +183,7 @@ class World:
             try:
                 if responder is not None and rdzv.store is not None:
                     responder.stop(rdzv.store)
-                group.close()
+                group.close(reason)
             finally:
                 rdzv.close()
                 from meshcomm import trace
@@ -446,14 +448,17 @@ def init(
     )
 
 
-def shutdown() -> None:
+def shutdown(reason: str | None = None) -> None:
     """Leave the default world; does nothing if it is not initialized.
+
+    ``reason``: what a later call on the world's groups raises with (default: that the
+    group was closed).
 
     Example:
         >>> import meshcomm.world as world
         >>> world.shutdown()  # not initialized: a no-op
     """
-    _WORLD.shutdown()
+    _WORLD.shutdown(reason)
 
 
 def is_initialized() -> bool:

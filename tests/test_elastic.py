@@ -190,3 +190,23 @@ def test_the_mpi_backend_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPa
         ElasticMesh((2,), ("dp",), store=HashStore(timeout=5), rank=0, world_size=2)
     with pytest.raises(SystemExit):
         parse_args(["--nproc-per-node", "2", "--elastic", "--backend", "mpi", "x.py"])
+
+
+def test_a_call_on_the_old_mesh_says_it_was_re_formed() -> None:
+    """A world of one shrinks by nobody (every rank spoke): the mesh is formed again, and a
+    collective on the mesh from before raises, saying why and what to use."""
+    from meshcomm import ops
+    from meshcomm.elastic import ElasticMesh
+    from meshcomm.errors import CommError
+
+    elastic = ElasticMesh((1,), ("dp",), store=HashStore(timeout=5), rank=0, world_size=1)
+    try:
+        old = elastic.mesh
+        assert ops.psum(np.ones(2), "dp", mesh=old).tolist() == [1.0, 1.0]
+        elastic.shrink()
+        assert elastic.rounds == 1 and elastic.shape == (1,)
+        with pytest.raises(CommError, match="this mesh was re-formed after a loss"):
+            ops.psum(np.ones(2), "dp", mesh=old)
+        assert ops.psum(np.ones(2), "dp", mesh=elastic.mesh).tolist() == [1.0, 1.0]
+    finally:
+        elastic.close()

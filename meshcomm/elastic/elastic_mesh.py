@@ -213,7 +213,10 @@ class ElasticMesh:
         """
         me, old = self.rank, len(self.members)
         seen = [] if not isinstance(error, PeerError) or error.rank is None else [error.rank]
-        world.shutdown()
+        world.shutdown(
+            f"this mesh was re-formed after a loss (round {self.rounds + 1}); use the "
+            "ElasticMesh's mesh"
+        )
         alive = agree(self._store, self.rounds, me, old, seen, self._agree)
         coords = np.unravel_index(np.arange(old), self._shape)[self._axis]
         lost_units = {int(coords[r]) for r in range(old) if r not in alive}
@@ -271,7 +274,10 @@ class ElasticMesh:
         record = json.loads(self._store.get(key))
         if not record["joined"]:
             return ()
-        world.shutdown()
+        world.shutdown(
+            f"this mesh was re-formed when ranks {record['joined']} joined (round "
+            f"{self.rounds + 1}); use the ElasticMesh's mesh"
+        )
         self.rounds += 1
         self.members = tuple(record["members"])
         self._shape = tuple(record["shape"])

@@ -143,6 +143,7 @@ class Issuer:
         self.seq = 0
         self.book = _ledger.Ledger(_ledger.ledger_length())
         self._closed = False
+        self._closed_reason = "the group was closed"
         # One lowering context per operation name, made on first use: the per-call path
         # then does no string formatting and no allocation for it.
         self._calls: dict[str, _lower.Call] = {}
@@ -154,10 +155,13 @@ class Issuer:
         self._where = where
         self._calls.clear()  # their messages were made with the old words
 
-    def close(self, reason: str, timeout: float) -> None:
+    def close(self, reason: str, timeout: float, said: str | None = None) -> None:
         """Refuse every call from now on (a plan's too: its claim fails, and its queued
-        route raises), let queued operations finish (up to ``timeout``), drop the plans."""
+        route raises), let queued operations finish (up to ``timeout``), drop the plans.
+        ``said``: what a refused call says (default: that the group was closed)."""
         self._closed = True
+        if said is not None:
+            self._closed_reason = said
         self.engine.close(reason, timeout)
         if self.engine.failure is None:  # the others start it too: let it end first
             _mpi_history.wait_quietly(self._pending, timeout)
@@ -222,7 +226,7 @@ class Issuer:
         """Refuse a closed or failed group; return the call context for lowering ``op``."""
         if self._closed or not self.engine.healthy:
             if self._closed:
-                raise CommError(f"{op}: {self._where}: the group was closed")
+                raise CommError(f"{op}: {self._where}: {self._closed_reason}")
             self.engine.check(f"{op} on {self._where}")
         call = self._calls.get(op)
         if call is None:

@@ -675,11 +675,12 @@ class ProcessGroup(SubGroups, PointToPoint):
         return ProcessGroup(comm, store=self.store, name=name, device=device, _parent=self)
 
     # -- lifetime ------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
         """Release the group's communicator once queued operations have run. Idempotent.
 
         Closing a group closes the groups made from it first (closing the world closes
-        them all). Any later operation on a closed group raises CommError.
+        them all). Any later operation on a closed group raises CommError, saying
+        ``reason`` when given (default: that the group was closed).
 
         Example:
             >>> g = ProcessGroup(SelfCommunicator())
@@ -691,9 +692,9 @@ class ProcessGroup(SubGroups, PointToPoint):
         self._closed = True
         # Every call is refused from here on; queued operations finish, and only then do
         # the groups made from this one and the communicator go.
-        self._issuer.close(f"the group {self.name!r} was closed", self.timeout)
+        self._issuer.close(reason or f"the group {self.name!r} was closed", self.timeout, reason)
         for kid in list(self._kids):
-            kid.close()
+            kid.close(reason)
         if self._device is not None:
             self._device.close()
         self._comm.close()
