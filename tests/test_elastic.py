@@ -35,6 +35,20 @@ def _shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("mcshm")}
 
 
+def _left_running() -> list[str]:
+    """Processes still running the training script (none may outlive meshrun)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                line = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if SCRIPT.name in line and "pytest" not in line:
+            found.append(f"{pid}: {line}")
+    return found
+
+
 def _run(
     ranks: int, shape: str, steps: int, kills: list[str], ms: int = 0, flags: tuple[str, ...] = ()
 ) -> tuple[int, dict[int, Any], str]:
@@ -113,6 +127,7 @@ def test_sigkilled_ranks_shrink_the_mesh_and_the_run_matches_the_replay(
         victim = int(arg.split(":")[0])
         assert f"rank {victim} (pid" in err and "go on without it (--elastic)" in err, err
     assert _shm() <= before, _shm() - before
+    assert _left_running() == []
 
 
 @pytest.mark.parametrize(
@@ -143,6 +158,7 @@ def test_a_replacement_rejoins_and_the_dp_axis_grows_back(
     assert lines[victim]["joined"] == "1", lines[victim]
     assert all(lines[r]["growths"] == 1 for r in range(ranks)), lines
     assert _shm() <= before, _shm() - before
+    assert _left_running() == []
 
 
 def test_no_whole_unit_left_is_an_error_on_every_survivor() -> None:
