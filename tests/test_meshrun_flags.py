@@ -428,6 +428,6 @@ def test_the_docs_table_names_every_torchrun_flag() -> None:
     named = {flag for row in rows for flag in re.findall(r"`(-[-\w]+)", row.split("|")[1])}
     long_flags = {flag for flag in _meshrun_options() if flag.startswith("--") and "_" not in flag}
     torchrun_only = {"--help"}
-    meshrun_only = {"--no-prefix", "--grace-period", "--backend", "--mpiexec", "--secret-file",
-                    "--no-secret", "--run-id"}  # fmt: skip
+    meshrun_only = {"--no-prefix", "--grace-period", "--backend", "--elastic", "--mpiexec",
+                    "--secret-file", "--no-secret", "--run-id"}  # fmt: skip
     assert sorted(long_flags - torchrun_only - meshrun_only - named) == []
