@@ -33,8 +33,12 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def _run(peer: str, tree: Path | None, world: int, lo: str, hi: str) -> list[dict[str, float]]:
+def _run(
+    peer: str, tree: Path | None, world: int, lo: str, hi: str, iters: int = 0
+) -> list[dict[str, float]]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if iters:
+        env["BENCH_ITERS"] = str(iters)
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MESHCOMM_BENCH_CHILD"):
         env.pop(key, None)
     if tree is not None:
@@ -43,8 +47,9 @@ def _run(peer: str, tree: Path | None, world: int, lo: str, hi: str) -> list[dic
         command = [_bin("mpiexec"), "-n", str(world), sys.executable,
                    str(HERE / "peers" / "mpi4py_bench.py"), "all_reduce", lo, hi]  # fmt: skip
     else:
+        fixed = ["--iters", str(iters)] if iters else []
         command = [_bin("meshcomm-bench"), "-n", str(world), "--op", "all_reduce",
-                   "-b", lo, "-e", hi, "--json"]  # fmt: skip
+                   "-b", lo, "-e", hi, "--json", *fixed]  # fmt: skip
     proc = subprocess.run(
         command,
         check=False,
@@ -94,6 +99,9 @@ def main() -> None:
     p.add_argument("--min-bytes", default="8")
     p.add_argument("--max-bytes", default="4M")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--iters", type=int, default=0, help="timed iterations at every size (default: by size)"
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve(), "mpich": None}
@@ -103,7 +111,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for peer in PEERS:
                 tree = trees[peer]
-                runs[peer].append(_run(peer, tree, world, args.min_bytes, args.max_bytes))
+                got = _run(peer, tree, world, args.min_bytes, args.max_bytes, args.iters)
+                runs[peer].append(got)
         every[f"w{world}"] = runs
         print(_table(world, runs), flush=True)
         print()

@@ -8,6 +8,7 @@ iterations, slowest rank) and prints JSON rows shaped like ``meshcomm.bench.Benc
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -28,7 +29,11 @@ def sizes(min_bytes: int, max_bytes: int, itemsize: int = 4) -> list[int]:
 
 
 def iters_for(size: int) -> int:
-    """Timed iterations per size, as ``meshcomm-bench`` picks them."""
+    """Timed iterations per size, as ``meshcomm-bench`` picks them (``BENCH_ITERS``: that many
+    at every size, as ``meshcomm-bench --iters``)."""
+    fixed = os.environ.get("BENCH_ITERS")
+    if fixed:
+        return int(fixed)
     if size <= 64 << 10:
         return 200
     if size <= 1 << 20:
