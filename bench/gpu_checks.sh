@@ -1,10 +1,11 @@
 #!/bin/bash
 # Every check that needs an NVIDIA GPU, as one run (a lent machine: the device tool).
 #
-#   bash bench/gpu_checks.sh [SECTION ...]     (default: facts nccl groups gpu bench)
+#   bash bench/gpu_checks.sh [SECTION ...]     (default: facts nccl groups elastic gpu bench)
 #
 # Sections: facts (GPU, cupy, NCCL), nccl (tests/test_nccl.py), groups
-# (tests/test_nccl_groups.py), c10d (tests/test_c10d_gpu.py: the torch backend "meshcomm"
+# (tests/test_nccl_groups.py), elastic (tests/test_elastic.py -k gpu: a shrink aborts and
+# re-makes the NCCL communicator), c10d (tests/test_c10d_gpu.py: the torch backend "meshcomm"
 # with CUDA tensors), gpu (tests/test_gpu.py; GPU_K=expr narrows it), bench
 # (bench/nccl_overhead.py), staging (bench/gpu_staging.py), mbench (meshcomm-bench --backend
 # nccl), meshrun (meshrun --backend nccl --nproc-per-node gpu), overlap (bench/overlap.py:
@@ -15,7 +16,7 @@ OUT=${OUT:-gpu-checks}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-S=" ${*:-facts nccl groups gpu bench} "
+S=" ${*:-facts nccl groups elastic gpu bench} "
 TEST=(-m pytest -o addopts=-ra -p no:cacheprovider -q)
 has() { [[ $S == *" $1 "* ]]; }
 if has facts; then
@@ -23,6 +24,7 @@ if has facts; then
 fi
 if has nccl; then timeout 200 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py tests/test_nccl_native.py 2>&1 | tee "$OUT/nccl.log"; fi
 if has c10d; then timeout 240 $PY "${TEST[@]}" --timeout 220 tests/test_c10d_gpu.py 2>&1 | tee "$OUT/c10d.log"; fi
+if has elastic; then timeout 120 $PY "${TEST[@]}" --timeout 90 tests/test_elastic.py -k gpu 2>&1 | tee "$OUT/elastic.log"; fi
 if has groups; then timeout 180 $PY "${TEST[@]}" --timeout 150 tests/test_nccl_groups.py 2>&1 | tee "$OUT/groups.log"; fi
 if has gpu; then timeout 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu.py ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu.log"; fi
 if has bench; then timeout 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json" 2>&1 | tee "$OUT/bench.log"; fi

@@ -161,10 +161,11 @@ class World:
             self._hang_warning = _hang_warn.HangWarning.start(group, rdzv.store, hang_warn_after)
             return group
 
-    def shutdown(self, reason: str | None = None) -> None:
+    def shutdown(self, reason: str | None = None, *, abort: bool = False) -> None:
         """Close the world group and the store this process opened. Idempotent.
 
-        ``reason``: what a later call on the world's groups says (default: closed).
+        ``reason``: what a later call on the world's groups says (default: closed);
+        ``abort``: device communicators abort their work in flight (a peer may be gone).
 
         The rank hosting the store server waits (up to the world's timeout) until every rank
         has called shutdown, so its server outlives every rank that still uses it.
@@ -183,7 +184,7 @@ class World:
             try:
                 if responder is not None and rdzv.store is not None:
                     responder.stop(rdzv.store)
-                group.close(reason)
+                group.close(reason, abort=abort)
             finally:
                 rdzv.close()
                 from meshcomm import trace
@@ -448,17 +449,18 @@ def init(
     )
 
 
-def shutdown(reason: str | None = None) -> None:
+def shutdown(reason: str | None = None, *, abort: bool = False) -> None:
     """Leave the default world; does nothing if it is not initialized.
 
     ``reason``: what a later call on the world's groups raises with (default: that the
-    group was closed).
+    group was closed). ``abort``: device communicators (nccl) abort their work in flight
+    instead of waiting for it, for a world that lost a rank (:mod:`meshcomm.elastic`).
 
     Example:
         >>> import meshcomm.world as world
         >>> world.shutdown()  # not initialized: a no-op
     """
-    _WORLD.shutdown(reason)
+    _WORLD.shutdown(reason, abort=abort)
 
 
 def is_initialized() -> bool:

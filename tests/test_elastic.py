@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_train.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from elastic_train import DIM, RATE, sample  # noqa: E402
+from test_nccl import GPU_SKIP  # noqa: E402
 
 
 def _shm() -> set[str]:
@@ -44,7 +45,7 @@ def _left_running() -> list[str]:
                 line = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if SCRIPT.name in line and "pytest" not in line:
+        if str(SCRIPT) in line and "pytest" not in line:
             found.append(f"{pid}: {line}")
     return found
 
@@ -224,5 +225,33 @@ def test_a_call_on_the_old_mesh_says_it_was_re_formed() -> None:
         with pytest.raises(CommError, match="this mesh was re-formed after a loss"):
             ops.psum(np.ones(2), "dp", mesh=old)
         assert ops.psum(np.ones(2), "dp", mesh=elastic.mesh).tolist() == [1.0, 1.0]
+    finally:
+        elastic.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(GPU_SKIP), reason=GPU_SKIP or "ok")
+def test_a_gpu_world_is_aborted_and_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nccl for GPU arrays (one GPU: a world of one): a shrink aborts the device
+    communicator and makes a new one; psum of cupy arrays and a Manager over a cupy state
+    work on the new world."""
+    import cupy
+
+    from meshcomm import ops
+    from meshcomm.elastic import ElasticMesh, Manager
+
+    monkeypatch.setenv("MESHCOMM_BACKEND", "cpu:tcp,cuda:nccl")
+    elastic = ElasticMesh((1,), ("dp",), store=HashStore(timeout=30), rank=0, world_size=1)
+    try:
+        assert ops.psum(cupy.ones(4), "dp", mesh=elastic.mesh).tolist() == [1.0] * 4
+        elastic.shrink()
+        assert ops.psum(cupy.ones(4), "dp", mesh=elastic.mesh).tolist() == [1.0] * 4
+
+        def step(mesh: Any, state: dict[str, Any], i: int) -> dict[str, Any]:
+            return {"w": state["w"] + ops.psum(cupy.ones(4), "dp", mesh=mesh)}
+
+        final = Manager(elastic, {"w": cupy.zeros(4)}).run(step, 3)
+        assert final is not None and isinstance(final["w"], cupy.ndarray)
+        assert final["w"].tolist() == [3.0] * 4
     finally:
         elastic.close()

@@ -284,6 +284,11 @@ class Communicator(ABC):
     def close(self) -> None:
         """Release what this communicator holds. Idempotent."""
 
+    def abort(self) -> None:
+        """Release it without waiting for work in flight (a peer may be gone: a device
+        communicator aborts its queued collectives). Idempotent; default :meth:`close`."""
+        self.close()
+
 
 def _done(timeout: float | None = None) -> None:
     """The wait of an operation complete already."""

@@ -11,7 +11,8 @@ left raises :class:`~meshcomm.errors.LeftTheMesh`; when no unit remains, every s
 raises :class:`~meshcomm.errors.NoValidMesh`.
 
 Run it under ``meshrun --elastic`` (the launcher then lets the others go on when a rank
-fails); the tcp backend only (MPICH has no ULFM: an mpi job restarts whole).
+fails); the tcp backend, with nccl for GPU arrays (its communicators are aborted and made
+again with each world); not mpi (MPICH has no ULFM: an mpi job restarts whole).
 
 Example:
     A sketch (needs ``meshrun --elastic --nproc-per-node 8``)::
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from meshcomm import world
+from meshcomm.backends.spec import parse_backend
 from meshcomm.common.secret import job_secret
 from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.elastic.joining import admit, announce_done, pending, wait_for_admission, waiting
@@ -121,15 +123,12 @@ class ElasticMesh:
             raise InvalidArgument(f"ElasticMesh: unit {unit!r} is not one of the axes {names}")
         seconds = to_seconds(timeout)
         backend = world.choose_backend(None, store=store or _NO_STORE)
-        if backend != "tcp":
-            why = (
-                "MPICH's wheel has no ULFM (MPIX_Comm_shrink), so an mpi world cannot go on "
-                "without a rank; restart the job whole (meshrun --max-restarts)"
-                if backend == "mpi"
-                else "device communicators (NCCL) are not re-made after a loss yet"
-            )
+        if parse_backend(backend)[0] != "tcp":
             raise InvalidArgument(
-                f"ElasticMesh needs the tcp backend, got {backend!r} (MESHCOMM_BACKEND): {why}"
+                f"ElasticMesh needs the tcp backend (alone or with nccl for GPU arrays), got "
+                f"{backend!r} (MESHCOMM_BACKEND): MPICH's wheel has no ULFM "
+                "(MPIX_Comm_shrink), so an mpi world cannot go on without a rank; restart the "
+                "job whole (meshrun --max-restarts)"
             )
         rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
         size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -213,9 +212,10 @@ class ElasticMesh:
         """
         me, old = self.rank, len(self.members)
         seen = [] if not isinstance(error, PeerError) or error.rank is None else [error.rank]
-        world.shutdown(
+        world.shutdown(  # device communicators abort: a collective may wait on the dead
             f"this mesh was re-formed after a loss (round {self.rounds + 1}); use the "
-            "ElasticMesh's mesh"
+            "ElasticMesh's mesh",
+            abort=True,
         )
         alive = agree(self._store, self.rounds, me, old, seen, self._agree)
         coords = np.unravel_index(np.arange(old), self._shape)[self._axis]

@@ -43,7 +43,16 @@ Step = Callable[[DeviceMesh, State, int], Mapping[str, Any]]
 
 
 def _copy(state: Mapping[str, Any]) -> State:
-    return {k: np.array(v, copy=True) for k, v in state.items()}
+    """A copy of every array, in its own kind (numpy, cupy: ``copy``; torch: ``clone``)."""
+    out: State = {}
+    for k, v in state.items():
+        if hasattr(v, "clone"):
+            out[k] = v.clone()
+        elif hasattr(v, "copy"):
+            out[k] = v.copy()
+        else:
+            out[k] = np.array(v, copy=True)
+    return out
 
 
 class Manager:

@@ -675,12 +675,14 @@ class ProcessGroup(SubGroups, PointToPoint):
         return ProcessGroup(comm, store=self.store, name=name, device=device, _parent=self)
 
     # -- lifetime ------------------------------------------------------------------------
-    def close(self, reason: str | None = None) -> None:
+    def close(self, reason: str | None = None, *, abort: bool = False) -> None:
         """Release the group's communicator once queued operations have run. Idempotent.
 
         Closing a group closes the groups made from it first (closing the world closes
         them all). Any later operation on a closed group raises CommError, saying
-        ``reason`` when given (default: that the group was closed).
+        ``reason`` when given (default: that the group was closed). ``abort``: the device
+        communicators abort what they have in flight instead of waiting for it (a peer may
+        be gone).
 
         Example:
             >>> g = ProcessGroup(SelfCommunicator())
@@ -694,9 +696,12 @@ class ProcessGroup(SubGroups, PointToPoint):
         # the groups made from this one and the communicator go.
         self._issuer.close(reason or f"the group {self.name!r} was closed", self.timeout, reason)
         for kid in list(self._kids):
-            kid.close(reason)
+            kid.close(reason, abort=abort)
         if self._device is not None:
-            self._device.close()
+            if abort:
+                self._device.abort()
+            else:
+                self._device.close()
         self._comm.close()
 
     def __enter__(self) -> ProcessGroup:

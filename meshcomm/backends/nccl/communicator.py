@@ -299,13 +299,21 @@ class NcclCommunicator(Communicator):
 
     def close(self) -> None:
         """Destroy the NCCL communicator (abort it if it failed). Idempotent."""
+        self._release(abort=False)
+
+    def abort(self) -> None:
+        """``ncclCommAbort`` without waiting for the stream: a peer may be gone
+        (:mod:`meshcomm.elastic` re-forms the world). Idempotent."""
+        self._release(abort=True)
+
+    def _release(self, abort: bool) -> None:
         if self._closed:
             return
         self._closed = True
         WATCHDOG.forget(self)
         comm, self._nccl = self._nccl, None
         if comm is not None:
-            if self._failure is None:
+            if self._failure is None and not abort:
                 if self._stream is not None:
                     self._stream.synchronize()
                 comm.destroy()
