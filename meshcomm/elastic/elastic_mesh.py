@@ -40,7 +40,7 @@ from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.elastic.joining import admit, announce_done, pending, wait_for_admission, waiting
 from meshcomm.elastic.membership import agree
 from meshcomm.errors import InvalidArgument, LeftTheMesh, NoValidMesh, PeerError
-from meshcomm.launch import ELASTIC_ENV, JOIN_ENV
+from meshcomm.launch import ELASTIC_ENV, JOIN_ENV, detect_launch
 from meshcomm.mesh import DeviceMesh, init_device_mesh
 
 if TYPE_CHECKING:
@@ -60,13 +60,15 @@ def _job_store(seconds: float) -> Store:
     """A connection of our own to the store the launcher serves (``meshrun``)."""
     from meshcomm.store import TCPStore
 
-    host, port = os.environ.get("MESHCOMM_MASTER_ADDR"), os.environ.get("MESHCOMM_MASTER_PORT")
-    if not host or not port or os.environ.get(ELASTIC_ENV) != "1":
+    info = detect_launch(os.environ)
+    host, port = info.master_addr, info.master_port
+    elastic = os.environ.get(ELASTIC_ENV) == "1"
+    if host is None or port is None or info.store_host != "launcher" or not elastic:
         raise InvalidArgument(
             "ElasticMesh needs the store of a launcher that outlives the ranks: run under "
             "`meshrun --elastic` (or pass store=, rank= and world_size=)"
         )
-    return TCPStore(host, int(port), timeout=seconds, secret=job_secret())
+    return TCPStore(host, port, timeout=seconds, secret=job_secret())
 
 
 class ElasticMesh:
