@@ -1,0 +1,326 @@
+"""The CUDA IPC device path's protocol on a CPU: numpy over shared memory stands in for cupy.
+
+:class:`~meshcomm.backends.cuda_ipc.IpcCommunicator` runs one protocol over a memory
+mechanism (windows, handles through the store, the per-call handshake over the host
+communicator); here the mechanism is
+:class:`~meshcomm.backends.cuda_ipc.SharedMemoryStandIn`, so every collective runs over real
+processes at worlds 1, 2, 3, 4 and 8 and must equal a numpy oracle (every primitive op and
+dtype for the reductions), the group's lowerings run over it as they would for cupy
+(:class:`~meshcomm.group.device_lower.DeviceBuffers`), the cache of opened windows is
+checked, a dead peer becomes a ``PeerError`` naming it, and arguments are refused before
+any I/O. The same path on a GPU is tests/test_gpu_ipc.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from meshcomm.backends.cuda_ipc import IpcCommunicator, SharedMemoryStandIn
+from meshcomm.backends.cuda_ipc.communicator import MIN_SLOT_BYTES
+from meshcomm.backends.local import SelfCommunicator
+from meshcomm.errors import CommError, InvalidArgument, MismatchError, SpawnError
+from meshcomm.reduction import PRIMITIVE_OP_KINDS, ReduceOp, combine
+from meshcomm.store import HashStore
+from meshcomm.testing import run_ranks
+
+DTYPES = (
+    np.bool_, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16,
+)  # fmt: skip
+OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+       ReduceOp.BXOR)  # fmt: skip
+
+
+def ipc_world(group: Any, name: str = "t") -> IpcCommunicator:
+    """The stand-in device communicator of a world: a host communicator of its own."""
+    host = group._comm.sub(list(range(group.size)))
+    return IpcCommunicator(host, SharedMemoryStandIn(), group.store, f"test/ipc/{name}")
+
+
+def _input(rank: int, n: int, dtype: Any, salt: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input: small values (products of 8 ranks stay exact), any rank can
+    make any other's."""
+    rng = np.random.default_rng(1000 * rank + salt)
+    if np.dtype(dtype) == np.bool_:
+        return rng.integers(0, 2, n).astype(bool)
+    values = rng.integers(1, 3, n) * rng.choice([-1, 1], n)
+    if np.dtype(dtype).kind == "u":
+        values = np.abs(values)
+    if np.dtype(dtype).kind == "c":
+        return (values + 1j * rng.integers(-2, 3, n)).astype(dtype)
+    return values.astype(dtype)
+
+
+def _oracle(op: ReduceOp, parts: list[np.ndarray]) -> np.ndarray:
+    acc = parts[0].copy()
+    for part in parts[1:]:
+        combine(op, acc, part)
+    return acc
+
+
+def _equal(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def _collectives(group: Any) -> list[str]:
+    n, me = group.size, group.rank
+    comm = ipc_world(group)
+    problems: list[str] = []
+
+    def check(what: str, got: Any, want: Any) -> None:
+        if not _equal(np.asarray(got), np.asarray(want)):
+            problems.append(f"rank {me}: {what}: got {got!r}, want {want!r}")
+
+    k = 5  # elements per rank block
+    for dtype in DTYPES:
+        kind = np.dtype(dtype).kind
+        for op in OPS:
+            if (op, "V" if dtype is ml_dtypes.bfloat16 else kind) not in PRIMITIVE_OP_KINDS:
+                continue
+            parts = [_input(r, n * k, dtype, 7) for r in range(n)]
+            want = _oracle(op, parts)
+            buf = parts[me].copy()
+            comm.all_reduce(buf, op)
+            check(f"all_reduce {op.value} {np.dtype(dtype).name}", buf, want)
+            out = np.empty_like(buf)
+            comm.all_reduce_out(parts[me], out, op)
+            check(f"all_reduce_out {op.value} {np.dtype(dtype).name}", out, want)
+            recv = np.empty(k, dtype)
+            comm.reduce_scatter(parts[me], recv, op)
+            check(
+                f"reduce_scatter {op.value} {np.dtype(dtype).name}",
+                recv,
+                want[me * k : (me + 1) * k],
+            )
+            for root in {0, n - 1}:
+                buf = parts[me].copy()
+                comm.reduce(buf, root, op)
+                if me == root:
+                    check(f"reduce root={root} {op.value} {np.dtype(dtype).name}", buf, want)
+        parts = [_input(r, n * k, dtype, 11) for r in range(n)]
+        recv = np.empty(n * n * k, dtype)
+        comm.all_gather(parts[me], recv)
+        check(f"all_gather {np.dtype(dtype).name}", recv, np.concatenate(parts))
+        recv = np.empty(n * k, dtype)
+        comm.all_to_all(parts[me], recv)
+        want = np.concatenate([p[me * k : (me + 1) * k] for p in parts])
+        check(f"all_to_all {np.dtype(dtype).name}", recv, want)
+        for root in range(n):
+            buf = parts[me].copy()
+            comm.broadcast(buf, root)
+            check(f"broadcast root={root} {np.dtype(dtype).name}", buf, parts[root])
+            into = np.empty(n * n * k, dtype) if me == root else None
+            comm.gather(parts[me], into, root)
+            if me == root:
+                check(f"gather root={root} {np.dtype(dtype).name}", into, np.concatenate(parts))
+            out = np.empty(k, dtype)
+            comm.scatter(parts[me] if me == root else None, out, root)
+            check(
+                f"scatter root={root} {np.dtype(dtype).name}",
+                out,
+                parts[root][me * k : (me + 1) * k],
+            )
+    comm.barrier()
+    # Point to point, staged through host memory: a ring.
+    if n > 1:
+        got = np.empty(3)
+        comm.permute(np.full(3, float(me)), (me + 1) % n, got, (me - 1) % n)
+        check("permute", got, np.full(3, float((me - 1) % n)))
+    # Sizes around a slot and zero elements.
+    for count in (0, 1, MIN_SLOT_BYTES // 8, MIN_SLOT_BYTES // 8 + 1, 3 * MIN_SLOT_BYTES):
+        parts = [_input(r, count, np.float64, count) for r in range(n)]
+        buf = parts[me].copy()
+        comm.all_reduce(buf, ReduceOp.SUM)
+        check(f"all_reduce of {count} float64", buf, _oracle(ReduceOp.SUM, parts))
+    comm.close()
+    return problems
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_every_collective_equals_the_numpy_oracle(nprocs: int) -> None:
+    for problems in run_ranks(_collectives, nprocs, timeout=300):
+        assert problems == [], "\n".join(problems[:20])
+
+
+def _cache(group: Any) -> dict[str, Any]:
+    """The windows opened per call: once per peer and generation, never per call."""
+    n = group.size
+    comm = ipc_world(group, "cache")
+    mem = comm._mem
+    seen: dict[str, Any] = {}
+    small = np.ones(16)
+    for _ in range(5):
+        comm.all_reduce(small, ReduceOp.SUM)
+    seen["after 5 small"] = mem.opens
+    big = np.ones(MIN_SLOT_BYTES)  # 8x a slot: every rank's window grows once
+    for _ in range(3):
+        comm.all_reduce(big, ReduceOp.SUM)
+    seen["after 3 big"] = mem.opens
+    seen["retired left"] = len(comm._retired)
+    seen["generations"] = sorted({g for g, _ in comm.opened.values()})
+    comm.all_reduce(small, ReduceOp.SUM)  # a smaller call keeps the larger window
+    seen["after a small again"] = mem.opens
+    seen["size"] = n
+    comm.close()
+    return seen
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_opened_windows_are_cached_and_reopened_only_when_a_peer_grows(nprocs: int) -> None:
+    for seen in run_ranks(_cache, nprocs, timeout=120):
+        peers = seen["size"] - 1
+        assert seen["after 5 small"] == peers, seen
+        assert seen["after 3 big"] == 2 * peers, seen
+        assert seen["after a small again"] == 2 * peers, seen
+        assert seen["retired left"] == 0, seen
+        assert seen["generations"] == [2], seen
+
+
+def _lowerings(group: Any) -> list[str]:
+    """The group's lowerings over DeviceBuffers of the stand-in (what a group runs for cupy
+    arrays with this device communicator) equal the group's host results."""
+    from meshcomm.group import lower as _lower
+    from meshcomm.group.arrays import ScratchPool
+    from meshcomm.group.device_lower import DeviceBuffers
+    from meshcomm.group.lower import Call
+
+    n, me = group.size, group.rank
+    comm = ipc_world(group, "lower")
+    on = DeviceBuffers(comm, np)
+    problems: list[str] = []
+
+    def run(op: str, *args: Any) -> Any:
+        body, _ = getattr(_lower, op)(Call(comm, ScratchPool(), f"{op}: rank {me}"), *args, on=on)
+        return body()
+
+    x = np.random.default_rng(me).integers(-4, 4, (n, 3, 2 * n)).astype(np.float32)
+    cases = {
+        "all_reduce avg": (run("all_reduce", x, "avg", None), group.all_reduce(x, "avg")),
+        "all_reduce premul": (
+            run("all_reduce", x, "premul_sum", 2.0),
+            group.all_reduce(x, "premul_sum", factor=2.0),
+        ),
+        "all_gather axis 1": (run("all_gather", x, 1, False), group.all_gather(x, 1)),
+        "reduce_scatter tiled 2": (
+            run("reduce_scatter", x, "sum", 2, True, None),
+            group.reduce_scatter(x, "sum", 2, True),
+        ),
+        "all_to_all 0 2": (run("all_to_all", x, 0, 2, False), group.all_to_all(x, 0, 2)),
+        "broadcast": (run("broadcast", x, n - 1, None, None), group.broadcast(x, n - 1)),
+        "gather": (run("gather", x, 0), group.gather(x, 0)),
+        "scatter": (run("scatter", x, 0, None, None), group.scatter(x, 0)),
+    }
+    for what, (got, want) in cases.items():
+        if want is None and got is None:
+            continue
+        if not _equal(np.asarray(got), np.asarray(want)):
+            problems.append(f"rank {me}: {what} differs")
+    comm.close()
+    return problems
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_the_group_lowerings_over_the_stand_in_equal_the_host_path(nprocs: int) -> None:
+    for problems in run_ranks(_lowerings, nprocs, timeout=120):
+        assert problems == [], problems
+
+
+def _mismatch(group: Any) -> str:
+    comm = ipc_world(group, "mismatch")
+    size = 4 if group.rank == 0 else 8
+    try:
+        comm.all_reduce(np.ones(size), ReduceOp.SUM)
+    except MismatchError as exc:
+        return str(exc)
+    finally:
+        comm.close()
+    return ""
+
+
+def test_ranks_that_call_different_sizes_raise_naming_both() -> None:
+    for said in run_ranks(_mismatch, 2, timeout=60):
+        assert "32 bytes" in said and "64 bytes" in said, said
+        assert "rank 0" in said and "rank 1" in said, said
+
+
+VICTIM = 2
+
+
+def _dead_peer(group: Any, folder: str) -> None:
+    if group.rank != VICTIM:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # live to write the report
+    comm = ipc_world(group, "dead")
+    buf = np.ones(1024)
+    comm.all_reduce(buf, ReduceOp.SUM)
+    if group.rank == VICTIM:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(buf, ReduceOp.SUM)
+    except CommError as exc:
+        report = {"type": type(exc).__name__, "rank": getattr(exc, "rank", None), "text": str(exc)}
+        try:
+            comm.all_reduce(buf, ReduceOp.SUM)
+        except CommError as again:
+            report["again"] = str(again)
+        with open(os.path.join(folder, f"{group.rank}.json"), "w") as f:
+            json.dump(report, f)
+        raise
+
+
+def test_a_dead_peer_is_a_peer_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises((SpawnError, CommError)):
+        run_ranks(_dead_peer, 3, timeout=60, env={"MESHCOMM_TIMEOUT": "15"}, args=(str(tmp_path),))
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert (report["type"], report["rank"]) == ("PeerError", VICTIM), report
+        assert "failed earlier" in report["again"], report
+
+
+def test_arguments_are_refused_before_any_io() -> None:
+    comm = IpcCommunicator(SelfCommunicator(), SharedMemoryStandIn(), HashStore(), "args")
+    x = np.zeros(4)
+    with pytest.raises(InvalidArgument, match=r"rank 0: root must be a rank in \[0, 1\), got 3"):
+        comm.broadcast(x, 3)
+    with pytest.raises(
+        InvalidArgument,
+        match=r"rank 0: recv has 3 elements, all_gather needs 4 \(group size 1 x send's 4\)",
+    ):
+        comm.all_gather(x, np.zeros(3))
+    with pytest.raises(InvalidArgument, match="send is float64 but recv is float32"):
+        comm.all_reduce_out(x, np.zeros(4, np.float32), ReduceOp.SUM)
+    with pytest.raises(InvalidArgument, match="must be C-contiguous"):
+        comm.all_reduce(np.zeros((4, 4))[:, 0], ReduceOp.SUM)
+    with pytest.raises(InvalidArgument, match="must be a numpy array"):
+        comm.all_reduce([1.0, 2.0], ReduceOp.SUM)
+    with pytest.raises(InvalidArgument, match="not 'avg'"):
+        comm.all_reduce(x, ReduceOp.AVG)
+    with pytest.raises(TypeError, match="bool or integer"):
+        comm.all_reduce(x, ReduceOp.BXOR)
+    with pytest.raises(InvalidArgument, match="dst must be a rank"):
+        comm.send(x, 1, 0)
+    with pytest.raises(InvalidArgument, match=r"ranks must be distinct ranks in \[0, 1\)"):
+        comm.sub([1])
+    assert comm._window is None and comm.opened == {}  # nothing was allocated or opened
+    comm.close()
+    with pytest.raises(CommError, match="closed"):
+        comm.all_reduce(x, ReduceOp.SUM)
+
+
+def test_a_world_of_one_runs_on_the_stand_in() -> None:
+    comm = IpcCommunicator(SelfCommunicator(), SharedMemoryStandIn(), HashStore(), "one")
+    x = np.arange(6, dtype=np.int32)
+    comm.all_reduce(x, ReduceOp.MAX)
+    recv = np.empty(6, np.int32)
+    comm.all_to_all(x, recv)
+    assert recv.tolist() == x.tolist()
+    assert comm.sub([0]).size == 1
+    comm.close()
+    comm.close()  # idempotent
