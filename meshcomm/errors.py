@@ -11,6 +11,7 @@ MeshCommError`` catches them all. The tree::
     ├── CommError               a collective or point-to-point operation failed
     │   ├── CommTimeout         a peer stayed silent past the timeout (also a TimeoutError)
     │   ├── PeerError           a peer went away (its process died, its connection closed)
+    │   │   └── PeerClosed      a peer closed its communicator on purpose, saying why
     │   ├── MismatchError       ranks called different collectives (op, dtype, shape, root...)
     │   ├── LeftTheMesh         this rank left the mesh when it shrank (its replica lost one)
     │   ├── NoValidMesh         no mesh of the required shape remains among the survivors
@@ -48,6 +49,7 @@ __all__ = [
     "MismatchError",
     "MismatchTimeout",
     "NoValidMesh",
+    "PeerClosed",
     "PeerError",
     "ProcessExitedException",
     "ProcessRaisedException",
@@ -100,6 +102,12 @@ class PeerError(CommError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class PeerClosed(PeerError):
+    """A peer closed its communicator on purpose while this rank's call needed it, and said
+    why (``ProcessGroup.close(reason)``): e.g. a survivor re-forming an elastic mesh
+    (:mod:`meshcomm.elastic`). The peer did not fail; ``rank`` names it."""
 
 
 class LeftTheMesh(CommError):

@@ -222,11 +222,39 @@ def test_a_call_on_the_old_mesh_says_it_was_re_formed() -> None:
         assert ops.psum(np.ones(2), "dp", mesh=old).tolist() == [1.0, 1.0]
         elastic.shrink()
         assert elastic.rounds == 1 and elastic.shape == (1,)
-        with pytest.raises(CommError, match="this mesh was re-formed after a loss"):
+        with pytest.raises(CommError, match="the mesh is being re-formed after a loss"):
             ops.psum(np.ones(2), "dp", mesh=old)
         assert ops.psum(np.ones(2), "dp", mesh=elastic.mesh).tolist() == [1.0, 1.0]
     finally:
         elastic.close()
+
+
+@pytest.mark.parametrize("shape", ["3", "2x2"])
+def test_calls_in_flight_say_the_mesh_is_being_re_formed(shape: str) -> None:
+    """Rank 0 re-forms the mesh while the others wait for it in a psum: their calls end
+    with PeerClosed saying so (not a death), and every rank is in the new mesh."""
+    ranks = int(np.prod([int(n) for n in shape.split("x")]))
+    env = dict(os.environ, MESHCOMM_TIMEOUT="10", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "meshcomm.run", "--elastic", "--nproc-per-node", str(ranks),
+               str(SCRIPT.parent / "elastic_inflight.py"), shape]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(REPO),
+                          timeout=90, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = lines_of(done.stdout)
+    assert sorted(lines) == list(range(ranks)), done.stdout
+    for rank, line in lines.items():
+        assert line["shape"] == [int(n) for n in shape.split("x")], line
+        assert line["psum"] == [float(ranks)] * 2, line
+        if rank == 0:
+            assert line["error"] is None, line
+            continue
+        kind, words = line["error"]
+        assert kind == "PeerClosed", line
+        said = "rank 0 left the world: the mesh is being re-formed after a loss (round 1)"
+        assert said in words, words
+    assert _left_running() == []
 
 
 @pytest.mark.gpu

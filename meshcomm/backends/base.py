@@ -284,6 +284,11 @@ class Communicator(ABC):
     def close(self) -> None:
         """Release what this communicator holds. Idempotent."""
 
+    def announce_abort(self, reason: str) -> None:  # noqa: B027 - optional, default nothing
+        """Tell the peers, before :meth:`close`, that this rank aborts the world on purpose
+        and why (a survivor re-forming an elastic mesh): their calls in flight end saying
+        so. Default: nothing."""
+
     def abort(self) -> None:
         """Release it without waiting for work in flight (a peer may be gone: a device
         communicator aborts its queued collectives). Idempotent; default :meth:`close`."""

@@ -8,7 +8,10 @@ lost a member leaves (the slice of the mesh at the dead rank's coordinate on the
 axis: for ``("dp", "tp")`` with ``unit="dp"``, the whole data-parallel replica), and the
 others form a new world and the same mesh with that axis shorter. A rank of a unit that
 left raises :class:`~meshcomm.errors.LeftTheMesh`; when no unit remains, every survivor
-raises :class:`~meshcomm.errors.NoValidMesh`.
+raises :class:`~meshcomm.errors.NoValidMesh`. A survivor's collective in flight when
+another survivor leaves the failed world ends with :class:`~meshcomm.errors.PeerClosed`,
+saying that the mesh is being re-formed (or with a ``PeerError`` naming the dead rank,
+whichever it met first); a later call on the old mesh says so too.
 
 Run it under ``meshrun --elastic`` (the launcher then lets the others go on when a rank
 fails); the tcp backend, with nccl for GPU arrays (its communicators are aborted and made
@@ -39,7 +42,7 @@ from meshcomm.common.secret import job_secret
 from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.elastic.joining import admit, announce_done, pending, wait_for_admission, waiting
 from meshcomm.elastic.membership import agree
-from meshcomm.errors import InvalidArgument, LeftTheMesh, NoValidMesh, PeerError
+from meshcomm.errors import InvalidArgument, LeftTheMesh, NoValidMesh, PeerClosed, PeerError
 from meshcomm.launch import ELASTIC_ENV, JOIN_ENV, detect_launch
 from meshcomm.mesh import DeviceMesh, init_device_mesh
 
@@ -213,10 +216,12 @@ class ElasticMesh:
             NoValidMesh: no unit is left whole.
         """
         me, old = self.rank, len(self.members)
-        seen = [] if not isinstance(error, PeerError) or error.rank is None else [error.rank]
+        # A peer that closed to re-form the mesh (PeerClosed) is a survivor, not a death.
+        dead = isinstance(error, PeerError) and not isinstance(error, PeerClosed)
+        seen = [error.rank] if dead and error.rank is not None else []  # type: ignore[union-attr]
         world.shutdown(  # device communicators abort: a collective may wait on the dead
-            f"this mesh was re-formed after a loss (round {self.rounds + 1}); use the "
-            "ElasticMesh's mesh",
+            f"the mesh is being re-formed after a loss (round {self.rounds + 1}); go on "
+            "with the ElasticMesh's mesh",
             abort=True,
         )
         alive = agree(self._store, self.rounds, me, old, seen, self._agree)
@@ -277,8 +282,8 @@ class ElasticMesh:
         if not record["joined"]:
             return ()
         world.shutdown(
-            f"this mesh was re-formed when ranks {record['joined']} joined (round "
-            f"{self.rounds + 1}); use the ElasticMesh's mesh"
+            f"the mesh is being re-formed: ranks {record['joined']} join (round "
+            f"{self.rounds + 1}); go on with the ElasticMesh's mesh"
         )
         self.rounds += 1
         self.members = tuple(record["members"])

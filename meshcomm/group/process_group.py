@@ -682,7 +682,8 @@ class ProcessGroup(SubGroups, PointToPoint):
         them all). Any later operation on a closed group raises CommError, saying
         ``reason`` when given (default: that the group was closed). ``abort``: the device
         communicators abort what they have in flight instead of waiting for it (a peer may
-        be gone).
+        be gone), and with a ``reason`` the peers' calls in flight end with
+        :class:`~meshcomm.errors.PeerClosed` saying it (tcp: the whole world aborts).
 
         Example:
             >>> g = ProcessGroup(SelfCommunicator())
@@ -694,6 +695,8 @@ class ProcessGroup(SubGroups, PointToPoint):
         self._closed = True
         # Every call is refused from here on; queued operations finish, and only then do
         # the groups made from this one and the communicator go.
+        if abort and reason is not None:  # first: calls in flight, here and on peers, say why
+            self._comm.announce_abort(reason)
         self._issuer.close(reason or f"the group {self.name!r} was closed", self.timeout, reason)
         for kid in list(self._kids):
             kid.close(reason, abort=abort)

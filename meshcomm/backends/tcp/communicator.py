@@ -497,6 +497,13 @@ class TcpCommunicator(Communicator):
             store=self._store,
         )
 
+    def announce_abort(self, reason: str) -> None:
+        """Abort the world of this communicator's transport (if it owns one) on purpose:
+        the peers' calls in flight end with :class:`~meshcomm.errors.PeerClosed` and
+        ``reason`` instead of waiting or calling the goodbye a death."""
+        if self._owns and not self._closed:
+            self._transport.announce_abort(reason)
+
     def close(self) -> None:
         """Release this communicator; the world's close also closes every socket."""
         if self._closed:

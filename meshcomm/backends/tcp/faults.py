@@ -10,6 +10,11 @@ and the store keys every rank of the transport reads when something goes wrong:
 * a note per rank (:data:`LEFT_KEY`): why that rank gave up (its first error), written before
   it can close its channels, so a peer that sees it leave names the first failure instead of
   calling it dead (:meth:`Faults.blame`);
+* why the world is being aborted on purpose (:data:`CLOSING_KEY`, the first writer wins),
+  written with an abort record by a rank that leaves a failed world to re-form it
+  (:meth:`Faults.abort_world`): every call that then fails on this transport ends with
+  :class:`~meshcomm.errors.PeerClosed` and those words (the elastic mesh is being
+  re-formed), not as a death;
 * the launcher's note on each rank's exit (:mod:`meshcomm.launcher.exit_notes`, under ``meshrun``
 and
   :func:`meshcomm.spawn`): its exit status, or that the launcher stopped it after another
@@ -38,6 +43,7 @@ from meshcomm.errors import (
     CommError,
     MeshCommError,
     MismatchError,
+    PeerClosed,
     PeerError,
     ProtocolError,
     StoreError,
@@ -48,6 +54,7 @@ from meshcomm.store.base import Store
 __all__ = [
     "ABORT_KEY",
     "BLAME_GRACE",
+    "CLOSING_KEY",
     "GOODBYE",
     "LEFT_KEY",
     "NOTE_GRACE",
@@ -58,6 +65,7 @@ __all__ = [
 ABORT_KEY = "meshcomm/tcp/abort"
 #: + the rank: why a rank gave up (its first error), written before it can leave.
 LEFT_KEY = "meshcomm/tcp/left/"
+CLOSING_KEY = "meshcomm/tcp/closing"
 #: How a peer that said GOODBYE went.
 GOODBYE = "closed its communicator"
 #: How a peer whose socket ended between frames without a GOODBYE went.
@@ -109,6 +117,9 @@ class Faults:
     def gone_error(self, peer: int, action: str) -> PeerError:
         """The error for a call that needs ``peer``, gone between frames."""
         how = self.gone[peer]
+        closed = self._closed_on_purpose(peer, f"{how}, and this rank had to {action} it")
+        if closed is not None:  # a rank aborted the world on purpose: nobody's failure
+            return closed
         if how is GOODBYE:
             # A goodbye comes only from a healthy rank that closed on purpose: its own doing.
             reason = f"rank {peer} {how} (seen by rank {self.rank})"
@@ -122,8 +133,19 @@ class Faults:
 
     def lost(self, peer: int, address: str, exc: BaseException) -> PeerError:
         """The error for ``peer``'s broken connection (published if it is the first)."""
+        closed = self._closed_on_purpose(peer, f"its connection to {address}: {exc}")
+        if closed is not None:
+            return closed
         reason, blamed = self.blame(peer, str(exc), f"connection to {address}, ")
         return PeerError(f"rank {self.rank}: peer {reason}", blamed)
+
+    def _closed_on_purpose(self, peer: int, how: str) -> PeerClosed | None:
+        """The error for a call that lost ``peer`` after a rank aborted the world on purpose
+        (:meth:`abort_world`): the reason it gave, then how ``peer`` was seen to go."""
+        closing = self.closing_reason()
+        if closing is None:
+            return None
+        return PeerClosed(f"rank {self.rank}: {closing} (then rank {peer} went: {how})", peer)
 
     def peer_died(self, peer: int, how: str) -> PeerError:
         """The error for a same-host peer whose process is gone (``how`` says how we saw it)."""
@@ -260,11 +282,26 @@ class Faults:
         note = f"{type(exc).__name__}: {exc}"[:_NOTE_MAX]
         self._store_op(lambda: self._store.set(LEFT_KEY + str(self.rank), note))
 
+    def abort_world(self, reason: str) -> None:
+        """Abort this transport's world on purpose, saying why, before this rank's GOODBYE:
+        the reason first (:data:`CLOSING_KEY`), then an abort record if there is none yet,
+        so that every rank blocked in a call wakes within a second and says ``reason``."""
+        words = f"rank {self.rank} left the world: {reason}"[:_NOTE_MAX]
+        self._store_op(lambda: self._store.compare_set(CLOSING_KEY, b"", words.encode()))
+        self._swap_abort(AbortRecord(None, words))
+
+    def closing_reason(self) -> str | None:
+        """Why a rank aborted this world on purpose (:meth:`abort_world`), if one did."""
+        return self._store_op(lambda: self._read_key(CLOSING_KEY))
+
     def left_after_failure(self, peer: int, how: str) -> PeerError | None:
         """The error for a same-host peer whose buffer went away under a copy, if it failed or
         left after a failure the abort record names (it stopped waiting for us and freed
         the buffer), or after an error of its own (its note); None with neither (the ranks
         disagree: a protocol error). Waits for the record as :meth:`blame` does."""
+        closed = self._closed_on_purpose(peer, how)
+        if closed is not None:  # the world is being closed on purpose: no failure
+            return closed
         why = self._store_op(lambda: self._read_key(LEFT_KEY + str(peer)))
         record, note = self._settle(peer, left=why is not None)
         seen = f"seen by rank {self.rank}"
@@ -316,6 +353,7 @@ class Faults:
         Raises:
             MismatchError: the ranks called different collectives (the same words on all).
             PeerError: another rank reported a failure (names the rank it blames).
+            PeerClosed: a rank aborted the world on purpose (:meth:`abort_world`).
         """
         try:
             raw = self._read_raw(ABORT_KEY)
@@ -326,6 +364,11 @@ class Faults:
         record = AbortRecord.decode(raw, self.size)
         if record.mismatch:
             raise MismatchError(record.reason)  # every rank raises the same words
+        closing = self.closing_reason()
+        if closing is not None and closing != record.reason:
+            raise PeerClosed(f"rank {self.rank}: {closing} (after: {record})", record.rank)
+        if closing is not None:
+            raise PeerClosed(f"rank {self.rank}: {closing}", record.rank)
         raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", record.rank)
 
     # -- the store -------------------------------------------------------------------------

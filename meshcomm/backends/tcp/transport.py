@@ -524,6 +524,11 @@ class Transport:
         finally:
             self._lock.release()
 
+    def announce_abort(self, reason: str) -> None:
+        """Abort this world on purpose, saying why, before the GOODBYE (see
+        :meth:`~meshcomm.backends.tcp.faults.Faults.abort_world`)."""
+        self._faults.abort_world(reason)
+
     def close(self) -> None:
         """Say GOODBYE to connected peers and close every channel. Idempotent."""
         if self._closed:
