@@ -31,6 +31,7 @@ import numpy as np
 
 from meshcomm.backends import BACKENDS, create_world_communicator
 from meshcomm.backends.base import Communicator
+from meshcomm.backends.cuda_ipc.selection import IPC_ENV, parse_setting
 from meshcomm.backends.spec import canonical, gpu_per_local_rank, parse_backend
 from meshcomm.common.timeout import Timeout, to_seconds
 from meshcomm.errors import CommError, InvalidArgument, RendezvousError
@@ -133,10 +134,12 @@ class World:
                     init_method, world_size, rank, seconds, store, env=env, generation=generation
                 )
             unnamed = backend is None and not env.get(BACKEND_ENV, "").strip()
-            # Unnamed, with a GPU for each rank of this host (and cupy): tcp paired with nccl.
+            # Unnamed, with a GPU for each rank of this host (and cupy): tcp paired with nccl
+            # (unless MESHCOMM_CUDA_IPC=1 asks for the cuda_ipc path, chosen in _make_group).
             if (
                 unnamed
                 and name == DEFAULT_BACKEND
+                and parse_setting(env.get(IPC_ENV)) != "on"
                 and gpu_per_local_rank(rdzv.world_size, rdzv.local_world_size)
             ):
                 name = "cpu:tcp,cuda:nccl"
@@ -144,7 +147,7 @@ class World:
                 from meshcomm import trace
 
                 trace.start(rdzv.rank, rdzv.store)  # MESHCOMM_TRACE: before any group
-                group = _make_group(name, rdzv)
+                group = _make_group(name, rdzv, named=not unnamed, env=env)
             except BaseException:
                 # The others fail too (the backend is collective): linger only briefly.
                 rdzv.close(wait=_FAILED_INIT_LINGER)
@@ -275,11 +278,13 @@ def choose_backend(
         raise InvalidArgument(f"{exc} ({source})") from None
 
 
-def _make_group(spec: str, rdzv: Rendezvous) -> ProcessGroup:
+def _make_group(
+    spec: str, rdzv: Rendezvous, named: bool = True, env: Mapping[str, str] | None = None
+) -> ProcessGroup:
     from meshcomm.group import ProcessGroup
 
     backend, device_backend = parse_backend(spec)
-    device = None if device_backend is None else _device_world(rdzv)
+    device = None if device_backend in (None, "cuda_ipc") else _device_world(rdzv)
     try:
         comm = create_world_communicator(
             backend, rdzv.rank, rdzv.world_size, rdzv.store, rdzv.timeout
@@ -289,6 +294,24 @@ def _make_group(spec: str, rdzv: Rendezvous) -> ProcessGroup:
         if backend != "tcp" or not (exc.name or "").startswith("meshcomm.backends.tcp"):
             raise
         comm = _UnavailableCommunicator(rdzv.rank, rdzv.world_size, rdzv.timeout, exc)
+    if device is None and not isinstance(comm, _UnavailableCommunicator):
+        # Ranks that share a GPU: the cuda_ipc path (meshcomm.backends.cuda_ipc.selection).
+        from meshcomm.backends.cuda_ipc.selection import world_device
+
+        try:
+            device = world_device(
+                comm,
+                local_rank=rdzv.local_rank,
+                local_world_size=rdzv.local_world_size,
+                store=rdzv.store,
+                backend=backend,
+                named=named,
+                asked=device_backend == "cuda_ipc",
+                env=os.environ if env is None else env,
+            )
+        except BaseException:
+            comm.close()
+            raise
     return ProcessGroup(comm, store=rdzv.store, name="world", device=device)
 
 

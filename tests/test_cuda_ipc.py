@@ -13,6 +13,7 @@ any I/O. The same path on a GPU is tests/test_gpu_ipc.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -324,3 +325,105 @@ def test_a_world_of_one_runs_on_the_stand_in() -> None:
     assert comm.sub([0]).size == 1
     comm.close()
     comm.close()  # idempotent
+
+
+# == choosing the path (pure; no GPU needed) ===================================================
+def _choose(**changes: Any) -> Any:
+    from meshcomm.backends.cuda_ipc.selection import choose
+
+    facts: dict[str, Any] = {
+        "backend": "tcp",
+        "named": False,
+        "world_size": 4,
+        "local_world_size": 4,
+        "gpu_count": 1,
+        "device_ids": [0, 0, 0, 0],
+        "peer_access": [[True]],
+        "cupy": True,
+        "setting": None,
+    }
+    facts.update(changes)
+    return choose(**facts)
+
+
+@pytest.mark.parametrize(
+    ("changes", "use", "reason"),
+    [
+        ({}, True, "4 ranks share 1 GPU on this host"),
+        ({"setting": "auto"}, True, "4 ranks share 1 GPU"),
+        ({"setting": "0"}, False, "MESHCOMM_CUDA_IPC=0"),
+        ({"cupy": False}, False, "cupy is not installed"),
+        ({"gpu_count": 0, "peer_access": []}, False, "cupy sees no GPU"),
+        ({"backend": "mpi"}, False, "the host backend is mpi"),
+        ({"named": True}, False, "a backend was named"),
+        ({"named": True, "setting": "1"}, True, "4 ranks share"),
+        ({"world_size": 1, "local_world_size": 1, "device_ids": [0]}, False, "a world of one"),
+        ({"world_size": 8}, False, "the world spans hosts (8 ranks, 4 on this host)"),
+        ({"local_world_size": None}, False, "the world spans hosts"),
+        (
+            {"gpu_count": 4, "device_ids": [0, 1, 2, 3], "peer_access": [[True] * 4] * 4},
+            False,
+            "a GPU for every rank: the default pairs tcp with nccl",
+        ),
+        (
+            {
+                "gpu_count": 4,
+                "device_ids": [0, 1, 2, 3],
+                "peer_access": [[True] * 4] * 4,
+                "setting": "on",
+            },
+            True,
+            "4 ranks share 4 GPUs",
+        ),
+        (
+            {"gpu_count": 2, "device_ids": [0, 1, 0, 1], "peer_access": [[True, True]] * 2},
+            True,
+            "4 ranks share 2 GPUs",
+        ),
+        (
+            {"gpu_count": 2, "device_ids": [0, 1, 0, 1], "peer_access": [[True, False]] * 2},
+            False,
+            "GPU 0 cannot read GPU 1's memory (no peer access)",
+        ),
+    ],
+)
+def test_the_choice_of_the_path(changes: dict[str, Any], use: bool, reason: str) -> None:
+    choice = _choose(**changes)
+    assert choice.use is use, choice
+    assert reason in choice.reason, choice
+    assert choice.forced is (changes.get("setting") in ("1", "on"))
+
+
+def test_a_bad_setting_is_refused_naming_the_variable() -> None:
+    with pytest.raises(InvalidArgument, match=r"MESHCOMM_CUDA_IPC='maybe': expected auto"):
+        _choose(setting="maybe")
+
+
+def _world_choice(group: Any) -> tuple[str, Any, str | None]:
+    from meshcomm.backends.cuda_ipc.selection import last_choice
+
+    choice = last_choice()
+    return group.backend, group.device_backend, None if choice is None else choice.reason
+
+
+def test_a_world_without_cupy_stages_and_says_why() -> None:
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed: tests/test_gpu_ipc.py checks the choice there")
+    unnamed: Any = None  # init() without a backend: the default, where the path may be taken
+    for backend, device, reason in run_ranks(_world_choice, 2, timeout=60, backend=unnamed):
+        assert (backend, device) == ("tcp", None)
+        assert reason == "cupy is not installed", reason
+    for _, device, reason in run_ranks(_world_choice, 2, timeout=60, backend="tcp"):
+        assert device is None
+        assert reason is not None and reason.startswith("a backend was named"), reason
+
+
+def test_asking_for_the_path_without_cupy_raises_why() -> None:
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed")
+    with pytest.raises(
+        InvalidArgument, match="the cuda_ipc path cannot run: cupy is not installed"
+    ):
+        run_ranks(_world_choice, 2, timeout=60, backend="cpu:tcp,cuda:cuda_ipc")
+    with pytest.raises(InvalidArgument, match="cupy is not installed"):
+        run_ranks(_world_choice, 2, timeout=60, env={"MESHCOMM_CUDA_IPC": "1"})

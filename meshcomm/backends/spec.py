@@ -4,6 +4,8 @@
 through host memory over it. ``"cpu:tcp,cuda:nccl"`` (torch's spelling, in either order)
 names a host backend and a device backend: every group dispatches by where the array
 lives. ``"nccl"`` alone means ``"cpu:tcp,cuda:nccl"``: host arrays still work, over tcp.
+``"cuda_ipc"`` (``"cpu:tcp,cuda:cuda_ipc"``) names the device path of ranks that share a GPU
+(:mod:`meshcomm.backends.cuda_ipc`).
 
 Example:
     >>> parse_backend("cuda:nccl,cpu:tcp")
@@ -32,7 +34,7 @@ __all__ = [
 #: Backends that move host (numpy) arrays.
 HOST_BACKENDS = ("tcp", "mpi", "self")
 #: Backends that move device (cupy / CUDA) arrays.
-DEVICE_BACKENDS = ("nccl",)
+DEVICE_BACKENDS = ("nccl", "cuda_ipc")
 
 
 def parse_backend(spec: str) -> tuple[str, str | None]:
