@@ -71,78 +71,83 @@ def _equal(got: np.ndarray, want: np.ndarray) -> bool:
     return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
-def _collectives(group: Any) -> list[str]:
-    n, me = group.size, group.rank
-    comm = ipc_world(group)
+def check_collectives(comm: Any, xp: Any) -> list[str]:
+    """Every collective of device communicator ``comm`` (arrays of ``xp``: numpy over the
+    stand-in, cupy on a GPU) against the numpy oracle: every primitive op and dtype ``xp``
+    holds for the reductions, every root. Returns the problems, in words."""
+    n, me = comm.size, comm.rank
     problems: list[str] = []
 
+    def dev(a: np.ndarray) -> Any:
+        return a.copy() if xp is np else xp.asarray(a)
+
     def check(what: str, got: Any, want: Any) -> None:
-        if not _equal(np.asarray(got), np.asarray(want)):
+        got = np.asarray(got) if xp is np else xp.asnumpy(got)
+        if not _equal(got, np.asarray(want)):
             problems.append(f"rank {me}: {what}: got {got!r}, want {want!r}")
 
     k = 5  # elements per rank block
-    for dtype in DTYPES:
-        kind = np.dtype(dtype).kind
+    for dtype in DTYPES if xp is np else DTYPES[:-1]:  # cupy has no bfloat16
+        kind, name = np.dtype(dtype).kind, np.dtype(dtype).name
         for op in OPS:
             if (op, "V" if dtype is ml_dtypes.bfloat16 else kind) not in PRIMITIVE_OP_KINDS:
                 continue
             parts = [_input(r, n * k, dtype, 7) for r in range(n)]
             want = _oracle(op, parts)
-            buf = parts[me].copy()
+            buf = dev(parts[me])
             comm.all_reduce(buf, op)
-            check(f"all_reduce {op.value} {np.dtype(dtype).name}", buf, want)
-            out = np.empty_like(buf)
-            comm.all_reduce_out(parts[me], out, op)
-            check(f"all_reduce_out {op.value} {np.dtype(dtype).name}", out, want)
-            recv = np.empty(k, dtype)
-            comm.reduce_scatter(parts[me], recv, op)
-            check(
-                f"reduce_scatter {op.value} {np.dtype(dtype).name}",
-                recv,
-                want[me * k : (me + 1) * k],
-            )
+            check(f"all_reduce {op.value} {name}", buf, want)
+            out = xp.empty(n * k, dtype)
+            comm.all_reduce_out(dev(parts[me]), out, op)
+            check(f"all_reduce_out {op.value} {name}", out, want)
+            recv = xp.empty(k, dtype)
+            comm.reduce_scatter(dev(parts[me]), recv, op)
+            check(f"reduce_scatter {op.value} {name}", recv, want[me * k : (me + 1) * k])
             for root in {0, n - 1}:
-                buf = parts[me].copy()
+                buf = dev(parts[me])
                 comm.reduce(buf, root, op)
                 if me == root:
-                    check(f"reduce root={root} {op.value} {np.dtype(dtype).name}", buf, want)
+                    check(f"reduce root={root} {op.value} {name}", buf, want)
         parts = [_input(r, n * k, dtype, 11) for r in range(n)]
-        recv = np.empty(n * n * k, dtype)
-        comm.all_gather(parts[me], recv)
-        check(f"all_gather {np.dtype(dtype).name}", recv, np.concatenate(parts))
-        recv = np.empty(n * k, dtype)
-        comm.all_to_all(parts[me], recv)
+        recv = xp.empty(n * n * k, dtype)
+        comm.all_gather(dev(parts[me]), recv)
+        check(f"all_gather {name}", recv, np.concatenate(parts))
+        recv = xp.empty(n * k, dtype)
+        comm.all_to_all(dev(parts[me]), recv)
         want = np.concatenate([p[me * k : (me + 1) * k] for p in parts])
-        check(f"all_to_all {np.dtype(dtype).name}", recv, want)
+        check(f"all_to_all {name}", recv, want)
         for root in range(n):
-            buf = parts[me].copy()
+            buf = dev(parts[me])
             comm.broadcast(buf, root)
-            check(f"broadcast root={root} {np.dtype(dtype).name}", buf, parts[root])
-            into = np.empty(n * n * k, dtype) if me == root else None
-            comm.gather(parts[me], into, root)
+            check(f"broadcast root={root} {name}", buf, parts[root])
+            into = xp.empty(n * n * k, dtype) if me == root else None
+            comm.gather(dev(parts[me]), into, root)
             if me == root:
-                check(f"gather root={root} {np.dtype(dtype).name}", into, np.concatenate(parts))
-            out = np.empty(k, dtype)
-            comm.scatter(parts[me] if me == root else None, out, root)
-            check(
-                f"scatter root={root} {np.dtype(dtype).name}",
-                out,
-                parts[root][me * k : (me + 1) * k],
-            )
+                check(f"gather root={root} {name}", into, np.concatenate(parts))
+            out = xp.empty(k, dtype)
+            comm.scatter(dev(parts[me]) if me == root else None, out, root)
+            check(f"scatter root={root} {name}", out, parts[root][me * k : (me + 1) * k])
     comm.barrier()
     # Point to point, staged through host memory: a ring.
     if n > 1:
-        got = np.empty(3)
-        comm.permute(np.full(3, float(me)), (me + 1) % n, got, (me - 1) % n)
+        got = xp.empty(3)
+        comm.permute(dev(np.full(3, float(me))), (me + 1) % n, got, (me - 1) % n)
         check("permute", got, np.full(3, float((me - 1) % n)))
     # Sizes around a slot and zero elements.
     for count in (0, 1, MIN_SLOT_BYTES // 8, MIN_SLOT_BYTES // 8 + 1, 3 * MIN_SLOT_BYTES):
         parts = [_input(r, count, np.float64, count) for r in range(n)]
-        buf = parts[me].copy()
+        buf = dev(parts[me])
         comm.all_reduce(buf, ReduceOp.SUM)
         check(f"all_reduce of {count} float64", buf, _oracle(ReduceOp.SUM, parts))
-    comm.close()
     return problems
+
+
+def _collectives(group: Any) -> list[str]:
+    comm = ipc_world(group)
+    try:
+        return check_collectives(comm, np)
+    finally:
+        comm.close()
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
