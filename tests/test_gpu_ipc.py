@@ -15,30 +15,16 @@ on the device, and their gradients; opened windows are cached.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
+from test_gpu import SKIP  # cupy and a GPU, or why not
 
 from meshcomm.testing import run_ranks
 
 TIMEOUT = 240.0
 
 
-def _why_skip() -> str:
-    if importlib.util.find_spec("cupy") is None:
-        return "cupy is not installed (pip install 'meshcomm[cuda12]' or 'meshcomm[cuda13]')"
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "cupy sees no CUDA GPU"
-    except Exception as exc:  # no driver, no device: cupy raises its own CUDA errors
-        return f"no usable CUDA GPU ({type(exc).__name__}: {exc})"
-    return ""
-
-
-SKIP = _why_skip()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(SKIP), reason=SKIP or "ok")]
 #: Every rank on GPU 0, and the path asked for (a world of run_ranks names its backend).
 ON_ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0", "MESHCOMM_CUDA_IPC": "1"}

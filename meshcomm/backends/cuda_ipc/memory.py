@@ -274,22 +274,23 @@ class CudaIpcMemory(PeerMemory):
 
     name = "cuda_ipc"
 
-    def __init__(self, events: bool | None = None) -> None:
+    def __init__(self, events: bool | None = None, device_id: int | None = None) -> None:
         super().__init__()
         import cupy
 
         self.xp = cupy
         self._rt = cupy.cuda.runtime
-        self.device_id = int(self._rt.getDevice())
+        self.device_id = int(self._rt.getDevice()) if device_id is None else device_id
         self.events = events_requested() if events is None else events
-        self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._ready = cupy.cuda.Event(block=False, disable_timing=True)
-        self._done = cupy.cuda.Event(block=False, disable_timing=True)
-        self._mine = (
-            cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
-            if self.events
-            else None
-        )
+        with cupy.cuda.Device(self.device_id):
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._ready = cupy.cuda.Event(block=False, disable_timing=True)
+            self._done = cupy.cuda.Event(block=False, disable_timing=True)
+            self._mine = (
+                cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+                if self.events
+                else None
+            )
         self._opened_events: dict[bytes, int] = {}
 
     def _array(self, ptr: int, nbytes: int, owner: Any) -> Any:
@@ -375,7 +376,7 @@ class CudaIpcMemory(PeerMemory):
         return ready
 
     def fresh(self) -> PeerMemory:
-        return CudaIpcMemory(self.events)
+        return CudaIpcMemory(self.events, self.device_id)  # a sub-group may be made elsewhere
 
     def synchronize(self) -> None:
         self._stream.synchronize()
@@ -405,6 +406,8 @@ class _OnStream:
 
     def __enter__(self) -> None:
         mem = self._mem
+        self._device = mem.xp.cuda.Device(mem.device_id)
+        self._device.__enter__()  # the thread's current device may be another
         caller = mem.xp.cuda.get_current_stream()
         mem._ready.record(caller)
         mem._stream.wait_event(mem._ready)
@@ -416,3 +419,4 @@ class _OnStream:
         mem._stream.__exit__(*exc)
         mem._done.record(mem._stream)
         self._caller.wait_event(mem._done)
+        self._device.__exit__(*exc)

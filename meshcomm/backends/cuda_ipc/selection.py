@@ -243,7 +243,7 @@ def world_device(
         setting=setting,
     )
     # Every rank of one host has the same facts; only its setting may differ: agree.
-    if size > 1 and backend == "tcp" and has_cupy and count and local == size and store:
+    if size > 1 and backend == "tcp" and has_cupy and count and local == size:
         votes = np.empty(size, np.int64)
         host.all_gather(np.array([int(choice.use)], np.int64), votes)
         refused = [r for r in range(size) if not votes[r]]
@@ -259,10 +259,14 @@ def world_device(
                 f"rank {host.rank}: the cuda_ipc path cannot run: {choice.reason}"
             )
         return None
-    assert store is not None and local_rank is not None
+    if store is None:  # a world of one (asked for): its handles stay in this process
+        from meshcomm.store import HashStore
+
+        store = HashStore()
     import cupy
 
-    cupy.cuda.Device(ids[local_rank % len(ids)]).use()
+    here = host.rank if local_rank is None else local_rank  # one host: the world rank
+    cupy.cuda.Device(ids[here % len(ids)]).use()
     from meshcomm.backends.cuda_ipc.communicator import IpcCommunicator
     from meshcomm.backends.cuda_ipc.memory import CudaIpcMemory
 
