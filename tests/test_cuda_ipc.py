@@ -432,3 +432,54 @@ def test_asking_for_the_path_without_cupy_raises_why() -> None:
         run_ranks(_world_choice, 2, timeout=60, backend="cpu:tcp,cuda:cuda_ipc")
     with pytest.raises(InvalidArgument, match="cupy is not installed"):
         run_ranks(_world_choice, 2, timeout=60, env={"MESHCOMM_CUDA_IPC": "1"})
+
+
+# == inside a process group: sub-groups and point to point ====================================
+def _in_a_group(group: Any) -> list[str]:
+    """A group whose device communicator is the stand-in: split makes sub-groups with device
+    communicators of their own (host communicators of their members), which collect; point
+    to point of the device path (headers on the host, payloads here) goes round a ring."""
+    from meshcomm.group import ProcessGroup
+    from meshcomm.group.arrays import ScratchPool
+    from meshcomm.group.device_p2p import DeviceP2P
+    from meshcomm.group.lower import Call
+
+    n, me = group.size, group.rank
+    host = group._comm.sub(list(range(n)))
+    pg = ProcessGroup(host, store=group.store, name="ipc", device=ipc_world(group, "pg"))
+    problems: list[str] = []
+    if pg.backend != "cpu:tcp,cuda:cuda_ipc":
+        problems.append(f"backend {pg.backend!r}")
+    half = pg.split(color=me % 2)
+    assert half is not None
+    dev = half._device
+    if not isinstance(dev, IpcCommunicator) or dev.size != len(half.ranks):
+        problems.append(f"the split's device communicator is {dev!r}")
+    else:
+        x = np.full(3, float(me))
+        dev.all_reduce(x, ReduceOp.SUM)
+        want = float(sum(r for r in range(n) if r % 2 == me % 2))
+        if x.tolist() != [want] * 3:
+            problems.append(f"split all_reduce: {x.tolist()}, want {want}")
+    p2p = DeviceP2P(pg._comm, pg._device, np)
+    if n > 1:
+        c = Call(pg._comm, ScratchPool(), f"p2p: rank {me}")
+        send, _ = p2p.send(c, np.arange(4.0) + me, (me + 1) % n, 7, False)
+        recv, _ = p2p.recv(c, (me - 1) % n, 7, None, False)
+        if me % 2:
+            got = recv()
+            send()
+        else:
+            send()
+            got = recv()
+        if np.asarray(got).tolist() != (np.arange(4.0) + (me - 1) % n).tolist():
+            problems.append(f"p2p ring: got {got}")
+    half.close()
+    pg.close()
+    return problems
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_groups_split_their_device_communicator_and_send_through_it(nprocs: int) -> None:
+    for problems in run_ranks(_in_a_group, nprocs, timeout=120):
+        assert problems == [], problems
