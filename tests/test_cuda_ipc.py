@@ -483,3 +483,53 @@ def _in_a_group(group: Any) -> list[str]:
 def test_groups_split_their_device_communicator_and_send_through_it(nprocs: int) -> None:
     for problems in run_ranks(_in_a_group, nprocs, timeout=120):
         assert problems == [], problems
+
+
+# == many calls in a row: the double buffering under skewed timing ============================
+def _random_calls(group: Any, calls: int) -> list[str]:
+    """``calls`` collectives drawn by one seed on every rank (kind, size across the slot
+    boundaries, root), each rank pausing at random between them: a rank that runs ahead
+    writes its next slots while slow peers still read, which the parity of the slots and
+    the handshake must keep apart."""
+    import random
+    import time
+
+    n, me = group.size, group.rank
+    comm = ipc_world(group, "random")
+    plan, pauses = random.Random(36), random.Random(me)
+    problems: list[str] = []
+    sizes = (1, 7, MIN_SLOT_BYTES // 8 - 1, MIN_SLOT_BYTES // 4, MIN_SLOT_BYTES)
+    for call in range(calls):
+        kind = plan.choice(("all_reduce", "all_gather", "broadcast", "reduce_scatter"))
+        count, root = plan.choice(sizes) // 8 * 8 or 8, plan.randrange(n)
+        parts = [np.full(count, float(call * 10 + r)) for r in range(n)]
+        if pauses.random() < 0.3:
+            time.sleep(pauses.uniform(0, 0.004))
+        if kind == "all_reduce":
+            got = parts[me].copy()
+            comm.all_reduce(got, ReduceOp.SUM)
+            want = _oracle(ReduceOp.SUM, parts)
+        elif kind == "all_gather":
+            got = np.empty(n * count)
+            comm.all_gather(parts[me], got)
+            want = np.concatenate(parts)
+        elif kind == "broadcast":
+            got = parts[me].copy()
+            comm.broadcast(got, root)
+            want = parts[root]
+        else:
+            got = np.empty(count // n if count >= n else 0)
+            send = np.concatenate([parts[me]] * n)[: got.size * n]
+            comm.reduce_scatter(send, got, ReduceOp.SUM)
+            full = _oracle(ReduceOp.SUM, [np.concatenate([p] * n)[: got.size * n] for p in parts])
+            want = full[me * got.size : (me + 1) * got.size]
+        if not _equal(got, want):
+            problems.append(f"rank {me}: call {call} {kind} of {count}: wrong values")
+    comm.close()
+    return problems
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_many_calls_with_skewed_ranks_never_read_a_reused_slot(nprocs: int) -> None:
+    for problems in run_ranks(_random_calls, nprocs, timeout=180, args=(300,)):
+        assert problems == [], problems[:10]
