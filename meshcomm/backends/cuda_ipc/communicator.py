@@ -120,6 +120,16 @@ class IpcCommunicator(Communicator):
 
     Attributes:
         opened: the cache of peers' windows opened here, ``{rank: (generation, Opened)}``.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.store import HashStore
+        >>> from meshcomm.backends.cuda_ipc.memory import SharedMemoryStandIn
+        >>> comm = IpcCommunicator(SelfCommunicator(), SharedMemoryStandIn(), HashStore(), "x")
+        >>> recv = np.empty(3, np.int64)
+        >>> comm.all_gather(np.array([1, 2, 3]), recv); recv.tolist(), comm.backend_name
+        ([1, 2, 3], 'cuda_ipc')
+        >>> comm.close()
     """
 
     backend_name = "cuda_ipc"

@@ -77,6 +77,11 @@ class Window:
         handle: what :meth:`PeerMemory.open` takes, in another process.
         nbytes: its size.
         token: what the mechanism needs to free it.
+
+    Example:
+        >>> w = Window(np.zeros(4, np.uint8), b"handle", 4, None)
+        >>> w.nbytes, w.handle
+        (4, b'handle')
     """
 
     __slots__ = ("handle", "nbytes", "token", "view")
@@ -92,6 +97,10 @@ class Opened:
         view: the peer's window, a 1-D uint8 array of :attr:`PeerMemory.xp`.
         event: the peer's interprocess event, opened here (CUDA with events), else None.
         token: what the mechanism needs to close it.
+
+    Example:
+        >>> Opened(np.zeros(2, np.uint8), None).event is None
+        True
     """
 
     __slots__ = ("event", "token", "view")
@@ -114,6 +123,11 @@ class PeerMemory(ABC):
         name: what the mechanism is called in messages (``"cuda_ipc"``, ``"shm"``).
         xp: the array module of windows and of the buffers the collectives take.
         opens: how many peer windows were opened so far (the tests check the cache with it).
+
+    Example:
+        >>> mem: PeerMemory = SharedMemoryStandIn()
+        >>> mem.name, mem.xp.__name__, mem.fresh().opens
+        ('shm', 'numpy', 0)
     """
 
     name = "abstract"
@@ -270,6 +284,12 @@ class CudaIpcMemory(PeerMemory):
 
     Raises:
         ImportError: cupy is missing.
+
+    Example (needs a GPU and cupy):
+        >>> mem = CudaIpcMemory()                          # doctest: +SKIP
+        >>> window = mem.allocate(1 << 20)                 # doctest: +SKIP
+        >>> len(window.handle)                             # doctest: +SKIP
+        64
     """
 
     name = "cuda_ipc"

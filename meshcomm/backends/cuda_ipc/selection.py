@@ -65,6 +65,10 @@ class Choice(NamedTuple):
         forced: it was asked for (``MESHCOMM_CUDA_IPC=1`` or ``cuda:cuda_ipc``): where
             ``use`` is False, the world raises instead of staging.
         reason: why, in words.
+
+    Example:
+        >>> Choice(False, False, "cupy is not installed").use
+        False
     """
 
     use: bool
