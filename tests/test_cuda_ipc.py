@@ -266,7 +266,11 @@ def _dead_peer(group: Any, folder: str) -> None:
     comm = ipc_world(group, "dead")
     buf = np.ones(1024)
     comm.all_reduce(buf, ReduceOp.SUM)
+    group.store.set(f"test/dead/{group.rank}", b"1")  # its first call is over here
     if group.rank == VICTIM:
+        # Dies once every survivor has its first call's bytes (some may not have left the
+        # victim when it returned), so the survivors fail in the second call.
+        group.store.wait([f"test/dead/{r}" for r in range(group.size)])
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         comm.all_reduce(buf, ReduceOp.SUM)
