@@ -314,7 +314,7 @@ class BoardAllReduce:
         for j in range(2, len(views)):
             ufunc(recv, views[j], out=recv)
 
-    def _tight_poll(self, word: np.ndarray, k: int) -> bool:
+    def _tight_poll(self, word: memoryview, k: int) -> bool:
         """Poll ``word`` until it reaches ``k`` for up to :data:`_TIGHT_POLL`, where this
         rank has a core to itself; whether it did."""
         clock = time.monotonic
