@@ -116,13 +116,6 @@ def _all_reduce_key(x: Any, op: Any, factor: Any) -> tuple[Any, ...] | None:
     return ("all_reduce", x.dtype, x.shape, op) if factor is None else None
 
 
-def _device_all_reduce_key(x: Any, op: Any, factor: Any) -> tuple[Any, ...] | None:
-    # Only a C-contiguous array: the device plan's runner reads it flat where it lies.
-    if factor is None and x.flags.c_contiguous:
-        return ("all_reduce", "device", x.dtype, x.shape, op)
-    return None
-
-
 def _all_gather_key(x: Any, axis: Any, tiled: Any) -> tuple[Any, ...] | None:
     return ("all_gather", x.dtype, x.shape, axis, tiled) if type(axis) is int else None
 
@@ -161,23 +154,81 @@ def _scatter_key(x: Any, root: Any, shape: Any, dtype: Any) -> tuple[Any, ...] |
     return None
 
 
+def _on_device(key: Callable[..., tuple[Any, ...] | None]) -> Callable[..., tuple[Any, ...] | None]:
+    """The device plan's key of a collective whose host key is ``key``: the same signature,
+    marked ``device``, for a C-contiguous input only (the device runners read it flat)."""
+
+    def device_key(x: Any, *args: Any) -> tuple[Any, ...] | None:
+        found = key(x, *args) if x.flags.c_contiguous else None
+        return None if found is None else (found[0], "device", *found[1:])
+
+    return device_key
+
+
 ALL_REDUCE = Collective(
     "all_reduce",
     _lower.all_reduce,
     _all_reduce_key,
     _plans.plan_all_reduce,
-    _device_all_reduce_key,
+    _on_device(_all_reduce_key),
     _device_lower.plan_all_reduce,
 )
-ALL_GATHER = Collective("all_gather", _lower.all_gather, _all_gather_key, _plans.plan_all_gather)
-REDUCE_SCATTER = Collective(
-    "reduce_scatter", _lower.reduce_scatter, _reduce_scatter_key, _plans.plan_reduce_scatter
+ALL_GATHER = Collective(
+    "all_gather",
+    _lower.all_gather,
+    _all_gather_key,
+    _plans.plan_all_gather,
+    _on_device(_all_gather_key),
+    _device_lower.plan_all_gather,
 )
-ALL_TO_ALL = Collective("all_to_all", _lower.all_to_all, _all_to_all_key, _plans.plan_all_to_all)
-BROADCAST = Collective("broadcast", _lower.broadcast, _broadcast_key, _plans.plan_broadcast)
-REDUCE = Collective("reduce", _lower.reduce, _reduce_key, _plans.plan_reduce)
-GATHER = Collective("gather", _lower.gather, _gather_key, _plans.plan_gather)
-SCATTER = Collective("scatter", _lower.scatter, _scatter_key, _plans.plan_scatter)
+REDUCE_SCATTER = Collective(
+    "reduce_scatter",
+    _lower.reduce_scatter,
+    _reduce_scatter_key,
+    _plans.plan_reduce_scatter,
+    _on_device(_reduce_scatter_key),
+    _device_lower.plan_reduce_scatter,
+)
+ALL_TO_ALL = Collective(
+    "all_to_all",
+    _lower.all_to_all,
+    _all_to_all_key,
+    _plans.plan_all_to_all,
+    _on_device(_all_to_all_key),
+    _device_lower.plan_all_to_all,
+)
+BROADCAST = Collective(
+    "broadcast",
+    _lower.broadcast,
+    _broadcast_key,
+    _plans.plan_broadcast,
+    _on_device(_broadcast_key),
+    _device_lower.plan_broadcast,
+)
+REDUCE = Collective(
+    "reduce",
+    _lower.reduce,
+    _reduce_key,
+    _plans.plan_reduce,
+    _on_device(_reduce_key),
+    _device_lower.plan_reduce,
+)
+GATHER = Collective(
+    "gather",
+    _lower.gather,
+    _gather_key,
+    _plans.plan_gather,
+    _on_device(_gather_key),
+    _device_lower.plan_gather,
+)
+SCATTER = Collective(
+    "scatter",
+    _lower.scatter,
+    _scatter_key,
+    _plans.plan_scatter,
+    _on_device(_scatter_key),
+    _device_lower.plan_scatter,
+)
 PERMUTE = Collective("permute", _lower.permute)
 
 

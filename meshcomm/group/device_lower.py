@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -40,12 +41,23 @@ from meshcomm.backends.base import Communicator
 from meshcomm.errors import InvalidArgument
 from meshcomm.group import lower as _lower
 from meshcomm.group import signatures as _sig
-from meshcomm.group.arrays import check_dtype
+from meshcomm.group.arrays import blocks_view, check_dtype, unstack
 from meshcomm.group.plans import ReturningPlan
-from meshcomm.group.signatures import Call, primitive
+from meshcomm.group.signatures import Call, primitive, rank_arg
 from meshcomm.reduction import ReduceOp
 
-__all__ = ["DeviceBuffers", "all_reduce_into", "plan_all_reduce"]
+__all__ = [
+    "DeviceBuffers",
+    "all_reduce_into",
+    "plan_all_gather",
+    "plan_all_reduce",
+    "plan_all_to_all",
+    "plan_broadcast",
+    "plan_gather",
+    "plan_reduce",
+    "plan_reduce_scatter",
+    "plan_scatter",
+]
 
 
 class DeviceBuffers:
@@ -163,3 +175,259 @@ def plan_all_reduce(
             return out
 
     return ReturningPlan("all_reduce", fields, run, on_device=True)
+
+
+# -- the other collectives' plans ------------------------------------------------------------
+# Each checks its call as the lowering does (so every error is raised before any I/O, with
+# the same words) and returns a runner that does only the call's device work: a new result,
+# the layout copies the signature needs, the device communicator's primitive. The keys
+# (meshcomm.group.collectives) admit C-contiguous inputs only: the runners read them flat.
+def _device_plan(name: str, fields: dict[str, Any], run: Callable[[Any], Any]) -> ReturningPlan:
+    return ReturningPlan(name, fields, run, on_device=True)
+
+
+def _averaging(
+    xp: ModuleType, rop: ReduceOp, size: int, make: Callable[[Any], Any]
+) -> Callable[[Any], Any]:
+    """``make`` (a runner returning its new result), then divided by ``size`` for avg."""
+    if rop is not ReduceOp.AVG:
+        return make
+    divide = xp.true_divide
+
+    def run(x: Any) -> Any:
+        out = make(x)
+        divide(out, size, out=out)
+        return out
+
+    return run
+
+
+def _rank_major(xp: ModuleType, axis: int, size: int, tiled: bool) -> Callable[[Any], Any]:
+    """The flat rank-major send buffer of an input split into rank blocks at ``axis``:
+    the input itself at axis 0 (C-contiguous, so rank-major already), else one copy."""
+    if axis == 0:
+        return _lower._flat
+
+    def send(x: Any) -> Any:
+        return xp.ascontiguousarray(blocks_view(x, axis, size, tiled, xp)).reshape(-1)
+
+    return send
+
+
+def plan_all_gather(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, axis: Any, tiled: Any
+) -> ReturningPlan:
+    """The plan of an ``all_gather`` of a C-contiguous device array: received rank-major
+    into a new array, put together at ``axis`` (a view at axis 0, one copy elsewhere).
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan = plan_all_gather(c, comm, np, np.ones(2), 1, False)
+        >>> plan.run(np.arange(2.0)), plan.on_device
+        (array([[0.],
+               [1.]]), True)
+    """
+    dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
+    fields = _sig.all_gather(c, dt, shape, axis, tiled)
+    ax, tile, count = fields["axis"], fields["tiled"], size * _lower._prod(shape)
+    empty, gather, take = xp.ndarray, dev.all_gather, DeviceBuffers(dev, xp).take
+
+    def run(x: Any) -> Any:
+        recv = empty((count,), dtype=dt)
+        gather(_lower._flat(x), recv)
+        return unstack(recv, shape, ax, size, tile, take, xp)
+
+    return _device_plan("all_gather", fields, run)
+
+
+def plan_reduce_scatter(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, op: Any, axis: Any, tiled: Any,
+    factor: None = None,
+) -> ReturningPlan:  # fmt: skip
+    """The plan of a ``reduce_scatter`` of a C-contiguous device array (no factor): sent
+    rank-major (the input itself at axis 0), this rank's block reduced into a new array.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan_reduce_scatter(c, comm, np, np.ones((1, 2)), "avg", 0, False).run(np.ones((1, 2)))
+        array([1., 1.])
+    """
+    dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
+    fields, _, block = _sig.reduce_scatter(c, dt, shape, op, axis, tiled, factor)
+    prim, rop = DeviceBuffers(dev, xp).prim(c, fields), fields["reduce"]
+    send, count = _rank_major(xp, fields["axis"], size, fields["tiled"]), _lower._prod(block)
+    empty, scatter = xp.ndarray, dev.reduce_scatter
+
+    def reduced(x: Any) -> Any:
+        recv = empty((count,), dtype=dt)
+        scatter(send(x), recv, prim)
+        return recv
+
+    average = _averaging(xp, rop, size, reduced)
+
+    def run(x: Any) -> Any:
+        return average(x).reshape(block)
+
+    return _device_plan("reduce_scatter", fields, run)
+
+
+def plan_all_to_all(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, split_axis: Any, concat_axis: Any,
+    tiled: Any,
+) -> ReturningPlan:  # fmt: skip
+    """The plan of an ``all_to_all`` of a C-contiguous device array: sent rank-major along
+    the split axis, the blocks received put together at the concat axis.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan_all_to_all(c, comm, np, np.ones((1, 2)), 0, 1, True).run(np.arange(2.0)[None])
+        array([[0., 1.]])
+    """
+    dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
+    fields, block = _sig.all_to_all(c, dt, shape, split_axis, concat_axis, tiled)
+    tile, concat = fields["tiled"], fields["axis2"]
+    send, count = _rank_major(xp, fields["axis"], size, tile), size * _lower._prod(block)
+    empty, exchange, take = xp.ndarray, dev.all_to_all, DeviceBuffers(dev, xp).take
+
+    def run(x: Any) -> Any:
+        recv = empty((count,), dtype=dt)
+        exchange(send(x), recv)
+        return unstack(recv, block, concat, size, tile, take, xp)
+
+    return _device_plan("all_to_all", fields, run)
+
+
+def plan_broadcast(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, shape: None = None,
+    dtype: None = None,
+) -> ReturningPlan:  # fmt: skip
+    """The plan of a ``broadcast`` with a C-contiguous device array on every rank (no
+    ``shape=`` or ``dtype=``): the root copies its input into the result (nccl broadcasts
+    in place), every rank receives into a new array.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan_broadcast(c, comm, np, np.ones(2), 0).run(np.ones(2))
+        array([1., 1.])
+    """
+    r = rank_arg(c, root, "root")
+    dt, shape_, is_root = check_dtype(x.dtype, c.where), tuple(x.shape), r == c.rank
+    fields = _sig.broadcast(c, dt, shape_, r)
+    empty, copyto, broadcast = xp.ndarray, xp.copyto, dev.broadcast
+
+    def run(x: Any) -> Any:
+        out = empty(shape_, dtype=dt)
+        if is_root:
+            copyto(out, x)
+        broadcast(_lower._flat(out), r)
+        return out
+
+    return _device_plan("broadcast", fields, run)
+
+
+def plan_reduce(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, op: Any, factor: None = None
+) -> ReturningPlan:
+    """The plan of a ``reduce`` of a C-contiguous device array (no factor): the input copied
+    into the buffer the device reduces in place; the result on the root, None elsewhere.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan_reduce(c, comm, np, np.ones(2), 0, "max").run(np.ones(2))
+        array([1., 1.])
+    """
+    r = rank_arg(c, root, "root")
+    dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
+    fields, _ = _sig.reduce(c, dt, shape, r, op, factor)
+    prim, rop = DeviceBuffers(dev, xp).prim(c, fields), fields["reduce"]
+    empty, copyto, reduce = xp.ndarray, xp.copyto, dev.reduce
+
+    def reduced(x: Any) -> Any:
+        buf = empty(shape, dtype=dt)
+        copyto(buf, x)
+        reduce(_lower._flat(buf), r, prim)
+        return buf
+
+    if r == c.rank:
+        return _device_plan("reduce", fields, _averaging(xp, rop, size, reduced))
+
+    def off_root(x: Any) -> None:
+        reduced(x)
+
+    return _device_plan("reduce", fields, off_root)
+
+
+def plan_gather(c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any) -> ReturningPlan:
+    """The plan of a ``gather`` of a C-contiguous device array: sent where it lies, stacked
+    into a new array on the root (None elsewhere).
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan_gather(c, comm, np, np.ones(2), 0).run(np.ones(2))
+        array([[1., 1.]])
+    """
+    r = rank_arg(c, root, "root")
+    dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
+    fields = _sig.gather(c, dt, shape, r)
+    empty, gather, stacked = xp.ndarray, dev.gather, (size, *shape)
+
+    if r != c.rank:
+
+        def off_root(x: Any) -> None:
+            gather(_lower._flat(x), None, r)
+
+        return _device_plan("gather", fields, off_root)
+
+    def run(x: Any) -> Any:
+        out = empty(stacked, dtype=dt)
+        gather(_lower._flat(x), out.reshape(-1), r)
+        return out
+
+    return _device_plan("gather", fields, run)
+
+
+def plan_scatter(
+    c: Call, dev: Communicator, xp: ModuleType, x: Any, root: Any, shape: None = None,
+    dtype: None = None,
+) -> ReturningPlan:  # fmt: skip
+    """The plan of a ``scatter`` with a stacked C-contiguous device array on every rank (no
+    ``shape=`` or ``dtype=``): the root sends from its input where it lies, every rank
+    receives its block into a new array.
+
+    Example:
+        >>> from meshcomm.backends.local import SelfCommunicator
+        >>> from meshcomm.group.arrays import ScratchPool
+        >>> comm = SelfCommunicator()
+        >>> c = Call(comm, ScratchPool(), "rank 0")
+        >>> plan_scatter(c, comm, np, np.ones((1, 2)), 0).run(np.ones((1, 2)))
+        array([1., 1.])
+    """
+    r = rank_arg(c, root, "root")
+    dt, is_root = check_dtype(x.dtype, c.where), r == c.rank
+    fields, block = _sig.scatter(c, dt, tuple(x.shape), r, shape, dtype)
+    empty, scatter = xp.ndarray, dev.scatter
+
+    def run(x: Any) -> Any:
+        out = empty(block, dtype=dt)
+        scatter(_lower._flat(x) if is_root else None, out.reshape(-1), r)
+        return out
+
+    return _device_plan("scatter", fields, run)
