@@ -7,6 +7,9 @@ Needs a GPU, cupy and NCCL (run it through the device tool; CI has none). Three 
   :class:`meshcomm.backends.nccl.NcclCommunicator` (which adds its stream, two events and
   the watchdog). Rounds alternate raw / meshcomm; medians of the rounds.
 - **busbw**: the same at >= 1 MiB, as bandwidth (world 1: NCCL's in-place copy).
+- **through a group**: the group's 8-byte all_reduce (cupy, numpy, staged by hand, the
+  native binding) against raw NCCL, then all_gather, reduce_scatter, broadcast and reduce
+  (their device plans) each beside NCCL's own call.
 - **staging**: one device-to-host plus one host-to-device copy of the array, pageable
   (``cupy.asnumpy`` / ``cupy.asarray``, what tcp and mpi staging do today) against a
   pinned host buffer (``cupy.cuda.alloc_pinned_memory``).
@@ -140,6 +143,21 @@ def main() -> None:
             print(f"{name:>30} {statistics.median(times):8.2f}")
 
     time_paths(paths)
+    # Every device collective's plan against NCCL's own call, at 8 bytes (world 1).
+    x12, out12 = cp.ones((1, 2), dtype=cp.float32), cp.empty((1, 2), dtype=cp.float32)
+    src12, dst12 = x12.data.ptr, out12.data.ptr
+    f32, add = nccl.NCCL_FLOAT32, nccl.NCCL_SUM
+    collectives: dict[str, Callable[[], Any]] = {
+        "raw allGather": lambda: raw.allGather(src8, dst8, 2, f32, stream.ptr),
+        "group.all_gather(cupy)": lambda: group.all_gather(x8),
+        "raw reduceScatter": lambda: raw.reduceScatter(src12, dst12, 2, f32, add, stream.ptr),
+        "group.reduce_scatter(cupy)": lambda: group.reduce_scatter(x12),
+        "raw bcast": lambda: raw.bcast(src8, 2, f32, 0, stream.ptr),
+        "group.broadcast(cupy)": lambda: group.broadcast(x8, 0),
+        "raw reduce": lambda: raw.reduce(src8, dst8, 2, f32, add, 0, stream.ptr),
+        "group.reduce(cupy)": lambda: group.reduce(x8, 0),
+    }
+    time_paths(collectives)
     meshcomm.shutdown()
     os.environ["MESHCOMM_NCCL_NATIVE"] = "1"  # the same group path on the native binding
     group = meshcomm.init(backend="cpu:tcp,cuda:nccl", world_size=1, rank=0)
