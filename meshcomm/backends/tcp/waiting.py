@@ -136,11 +136,6 @@ class Spinner:
                 self._busy = False
         return SPIN_SHARED_US * 1e-6 if self._busy else self.bound
 
-    def owns_core(self, now: float) -> bool:
-        """Whether this rank has a core to itself now (every local rank has one, and the
-        host is not loaded by others): then a short busy poll delays nobody."""
-        return self._adapt and self.limit(now) == self.bound
-
     def update(self, hit: bool, now: float) -> None:
         """Grow the budget after a poll that found work, shrink it after one that did not."""
         if not self._adapt:

@@ -44,7 +44,6 @@ import; set it alike on every rank.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -88,13 +87,6 @@ _ENV_MAX = _env_max()
 _VIEWS_KEPT = 64
 #: Polls of a late member's word before the wait loop (a few microseconds).
 _QUICK_POLLS = range(48)
-#: Seconds a rank with a core to itself keeps polling a late member's word, without a
-#: system call, before the wait loop. Where every rank has a core, the members of a tight
-#: loop of small calls arrive a few microseconds apart; a waiter that enters the wait loop
-#: (a ``select``, ``sched_yield`` between polls) leaves it microseconds after the member
-#: came, so that member is the late one at the next call, and both stay in that slower
-#: rhythm for the rest of the run. This bound is longer than that delay.
-_TIGHT_POLL = 30e-6
 #: Every member's slot views of one signature: ``[parity][member]``.
 _Views = tuple[tuple[np.ndarray, ...], ...]
 
@@ -299,9 +291,8 @@ class BoardAllReduce:
                     if word[0] >= k:
                         break
                 else:
-                    if not self._tight_poll(word, k):
-                        self._wait(board, k)
-                        break
+                    self._wait(board, k)
+                    break
         if mark:
             stamps = board.stamps
             for j in board.others:
@@ -313,19 +304,6 @@ class BoardAllReduce:
         ufunc(views[0], views[1], out=recv)
         for j in range(2, len(views)):
             ufunc(recv, views[j], out=recv)
-
-    def _tight_poll(self, word: memoryview, k: int) -> bool:
-        """Poll ``word`` until it reaches ``k`` for up to :data:`_TIGHT_POLL`, where this
-        rank has a core to itself; whether it did."""
-        clock = time.monotonic
-        now = clock()
-        if not self._waiter.spinner.owns_core(now):
-            return False
-        until = now + _TIGHT_POLL
-        while word[0] < k:
-            if clock() >= until:
-                return False
-        return True
 
     def _wait(self, board: Board, k: int) -> None:
         seqs = board.seqs
