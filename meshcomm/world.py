@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -284,6 +285,8 @@ def _make_group(
     from meshcomm.group import ProcessGroup
 
     backend, device_backend = parse_backend(spec)
+    if device_backend == "nccl":
+        device_backend = _nccl_or_ipc(rdzv, os.environ if env is None else env)
     device = None if device_backend in (None, "cuda_ipc") else _device_world(rdzv)
     try:
         comm = create_world_communicator(
@@ -313,6 +316,32 @@ def _make_group(
             comm.close()
             raise
     return ProcessGroup(comm, store=rdzv.store, name="world", device=device)
+
+
+def _nccl_or_ipc(rdzv: Rendezvous, env: Mapping[str, str]) -> str:
+    """``"nccl"``, or ``"cuda_ipc"`` where the world's ranks share this host's GPUs (NCCL
+    refuses two ranks on one GPU): said in a warning, since the caller named nccl."""
+    from meshcomm.backends.cuda_ipc.selection import instead_of_nccl, local_facts
+
+    local = rdzv.local_world_size
+    if local is None or local != rdzv.world_size or local < 2:
+        return "nccl"  # nothing imported for a world of one or over several hosts
+    _, count, _, _ = local_facts(local)
+    why = instead_of_nccl(
+        world_size=rdzv.world_size,
+        local_world_size=local,
+        gpu_count=count,
+        setting=env.get(IPC_ENV),
+    )
+    if why is None:
+        return "nccl"
+    if rdzv.rank == 0:
+        warnings.warn(
+            f"backend 'cuda:nccl': {why}; GPU arrays take the cuda_ipc path instead "
+            f"({IPC_ENV}=0 keeps nccl)",
+            stacklevel=4,
+        )
+    return "cuda_ipc"
 
 
 def _device_world(rdzv: Rendezvous) -> Communicator:

@@ -537,3 +537,24 @@ def _random_calls(group: Any, calls: int) -> list[str]:
 def test_many_calls_with_skewed_ranks_never_read_a_reused_slot(nprocs: int) -> None:
     for problems in run_ranks(_random_calls, nprocs, timeout=180, args=(300,)):
         assert problems == [], problems[:10]
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "gpus", "setting", "why"),
+    [
+        (4, 4, 1, None, "4 ranks share 1 GPU on this host, which NCCL refuses"),
+        (4, 4, 2, "auto", "4 ranks share 2 GPUs on this host, which NCCL refuses"),
+        (4, 4, 4, None, None),  # a GPU per rank: nccl
+        (4, 4, 1, "0", None),  # asked to keep nccl (it refuses)
+        (4, 2, 1, None, None),  # over hosts: nccl, and its own error
+        (1, 1, 1, None, None),  # a world of one
+        (2, 2, 0, None, None),  # no GPU: nccl's own error says so
+    ],
+)
+def test_a_world_naming_nccl_on_shared_gpus_takes_the_ipc_path(
+    world: int, local: int, gpus: int, setting: str | None, why: str | None
+) -> None:
+    from meshcomm.backends.cuda_ipc.selection import instead_of_nccl
+
+    got = instead_of_nccl(world_size=world, local_world_size=local, gpu_count=gpus, setting=setting)
+    assert got == why

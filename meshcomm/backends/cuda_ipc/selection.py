@@ -14,7 +14,10 @@ default backend (tcp, no backend named) whose ranks all run on this host, with f
 than ranks (with a GPU for every rank, the default pairs tcp with nccl), where cupy is
 installed and every pair of the GPUs used has peer access. ``1`` (``on``): take it
 wherever it can run, named backend or not, nccl's case too (an error says why where it
-cannot). ``0`` (``off``): never; GPU arrays are staged through host memory.
+cannot). ``0`` (``off``): never; GPU arrays are staged through host memory. A world that
+names nccl (``"cpu:tcp,cuda:nccl"``, torch's ``init_process_group("nccl")``) on one host
+with fewer GPUs than ranks takes this path instead, with a warning (:func:`instead_of_nccl`;
+``0`` keeps nccl, which refuses two ranks on one GPU).
 
 Example:
     >>> choose(backend="tcp", named=False, world_size=4, local_world_size=4, gpu_count=1,
@@ -44,6 +47,7 @@ __all__ = [
     "Choice",
     "choose",
     "last_choice",
+    "instead_of_nccl",
     "local_facts",
     "parse_setting",
     "world_device",
@@ -166,6 +170,28 @@ def choose(
                 return no(f"GPU {i} cannot read GPU {j}'s memory (no peer access)")
     gpus = f"{len(used)} GPU" + ("s" if len(used) > 1 else "")
     return Choice(True, forced, f"{world_size} ranks share {gpus} on this host")
+
+
+def instead_of_nccl(
+    *, world_size: int, local_world_size: int | None, gpu_count: int, setting: str | None
+) -> str | None:
+    """Why a world that named nccl takes the cuda_ipc path instead, or None where it keeps
+    nccl: its ranks all run on this host and share fewer GPUs than there are ranks, which
+    NCCL refuses ("Duplicate GPU detected"), unless :data:`IPC_ENV` is ``0``. A world that
+    spans hosts, or a host without a GPU, keeps nccl (and its own error).
+
+    Example:
+        >>> instead_of_nccl(world_size=4, local_world_size=4, gpu_count=1, setting=None)
+        '4 ranks share 1 GPU on this host, which NCCL refuses'
+        >>> instead_of_nccl(world_size=4, local_world_size=4, gpu_count=4, setting=None) is None
+        True
+    """
+    if parse_setting(setting) == "off" or world_size < 2 or local_world_size != world_size:
+        return None
+    if gpu_count < 1 or gpu_count >= world_size:
+        return None
+    gpus = f"{gpu_count} GPU" + ("s" if gpu_count > 1 else "")
+    return f"{world_size} ranks share {gpus} on this host, which NCCL refuses"
 
 
 def local_facts(local_world_size: int) -> tuple[bool, int, list[int], list[list[bool]]]:
