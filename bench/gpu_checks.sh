@@ -12,7 +12,8 @@
 # ranks sharing one GPU over CUDA IPC, then bench/gpu_ipc.py: that path against staging at
 # 8 B, 1 MiB, 64 MiB, world 2; IPC_WORLD=4 for world 4), overlap (bench/overlap.py:
 # needs no GPU, but such a machine has a core per rank). Logs go to $OUT (default
-# ./gpu-checks); the meshcomm checkout is put first on PYTHONPATH, no install needed.
+# ./gpu-checks); the meshcomm checkout is put first on PYTHONPATH, no install needed. BUDGET
+# (seconds, default 540) bounds the whole run.
 set -u
 OUT=${OUT:-gpu-checks}
 mkdir -p "$OUT"
@@ -20,22 +21,35 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 S=" ${*:-facts nccl groups elastic gpu bench ipc} "
 TEST=(-m pytest -o addopts=-ra -p no:cacheprovider -q)
+# The whole run stays within BUDGET seconds (default 540: one call of the device tool is 600):
+# each section's timeout is cut to what is left, and a section with under 20 s left is
+# skipped, named in $OUT/skipped.log, so that the logs of the others always come back.
+BUDGET=${BUDGET:-540}
 has() { [[ $S == *" $1 "* ]]; }
+run() {  # run SECTION SECONDS COMMAND...: the command's output into $OUT/SECTION.log
+    local name=$1 limit=$2 left=$((BUDGET - SECONDS))
+    shift 2
+    if ((left < 20)); then
+        echo "$name: skipped, ${left} s of the ${BUDGET} s budget left" | tee -a "$OUT/skipped.log"
+        return
+    fi
+    timeout $((limit < left ? limit : left)) "$@" 2>&1 | tee "$OUT/$name.log"
+}
 if has facts; then
     { nvidia-smi -L; $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'NCCL', nccl.get_version())"; } 2>&1 | tee "$OUT/facts.log"
 fi
-if has nccl; then timeout 200 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py tests/test_nccl_native.py 2>&1 | tee "$OUT/nccl.log"; fi
-if has c10d; then timeout 240 $PY "${TEST[@]}" --timeout 220 tests/test_c10d_gpu.py 2>&1 | tee "$OUT/c10d.log"; fi
-if has elastic; then timeout 120 $PY "${TEST[@]}" --timeout 90 tests/test_elastic.py -k gpu 2>&1 | tee "$OUT/elastic.log"; fi
-if has groups; then timeout 180 $PY "${TEST[@]}" --timeout 150 tests/test_nccl_groups.py 2>&1 | tee "$OUT/groups.log"; fi
-if has gpu; then timeout 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu.py ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu.log"; fi
-if has bench; then timeout 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json" 2>&1 | tee "$OUT/bench.log"; fi
-if has staging; then timeout 180 $PY bench/gpu_staging.py --rounds 2 2>&1 | tee "$OUT/staging.log"; fi
-if has mbench; then timeout 120 $PY -m meshcomm.bench --backend nccl -b 8 -e 64M -f 8 2>&1 | tee "$OUT/mbench.log"; fi
-if has meshrun; then timeout 90 $PY -m meshcomm.run --backend nccl --nproc-per-node gpu tests/scripts/nccl_psum.py 2>&1 | tee "$OUT/meshrun.log"; fi
+if has nccl; then run nccl 200 $PY "${TEST[@]}" --timeout 60 tests/test_nccl.py tests/test_nccl_native.py; fi
+if has c10d; then run c10d 240 $PY "${TEST[@]}" --timeout 220 tests/test_c10d_gpu.py; fi
+if has elastic; then run elastic 120 $PY "${TEST[@]}" --timeout 90 tests/test_elastic.py -k gpu; fi
+if has groups; then run groups 180 $PY "${TEST[@]}" --timeout 150 tests/test_nccl_groups.py; fi
+if has gpu; then run gpu 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu.py ${GPU_K:+-k "$GPU_K"}; fi
+if has bench; then run bench 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json"; fi
+if has staging; then run staging 180 $PY bench/gpu_staging.py --rounds 2; fi
+if has mbench; then run mbench 120 $PY -m meshcomm.bench --backend nccl -b 8 -e 64M -f 8; fi
+if has meshrun; then run meshrun 90 $PY -m meshcomm.run --backend nccl --nproc-per-node gpu tests/scripts/nccl_psum.py; fi
 if has ipc; then
-    timeout 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu_ipc.py 2>&1 | tee "$OUT/ipc.log"
-    timeout 150 $PY bench/gpu_ipc.py --world "${IPC_WORLD:-2}" --rounds 1 --json "$OUT/gpu_ipc.json" 2>&1 | tee "$OUT/ipc_bench.log"
+    run ipc 300 $PY "${TEST[@]}" --timeout 240 tests/test_gpu_ipc.py
+    run ipc_bench 150 $PY bench/gpu_ipc.py --world "${IPC_WORLD:-2}" --rounds 1 --json "$OUT/gpu_ipc.json"
 fi
-if has overlap; then timeout 300 $PY bench/overlap.py --repeats 15 2>&1 | tee "$OUT/overlap.log"; fi
+if has overlap; then run overlap 300 $PY bench/overlap.py --repeats 15; fi
 true
