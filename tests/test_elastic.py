@@ -229,16 +229,21 @@ def test_a_call_on_the_old_mesh_says_it_was_re_formed() -> None:
         elastic.close()
 
 
-@pytest.mark.parametrize("shape", ["3", "2x2"])
-def test_calls_in_flight_say_the_mesh_is_being_re_formed(shape: str) -> None:
-    """Rank 0 re-forms the mesh while the others wait for it in a psum: their calls end
-    with PeerClosed saying so (not a death), and every rank is in the new mesh."""
+@pytest.mark.parametrize(("shape", "axis", "waiting"), [("3", "", [1, 2]),
+                         ("2x2", "", [1, 2, 3]), ("2x2", "dp", [2])])  # fmt: skip
+def test_calls_in_flight_say_the_mesh_is_being_re_formed(
+    shape: str, axis: str, waiting: list[int]
+) -> None:
+    """Rank 0 re-forms the mesh while the others wait for it in a psum (over the mesh, or
+    over 'dp' alone: a group of its own, where only rank 2 waits for rank 0): their calls
+    end with PeerClosed saying so (not a death), and every rank is in the new mesh."""
     ranks = int(np.prod([int(n) for n in shape.split("x")]))
     env = dict(os.environ, MESHCOMM_TIMEOUT="10", PYTHONPATH=str(REPO))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
+    script = SCRIPT.parent / "elastic_inflight.py"
     command = [sys.executable, "-m", "meshcomm.run", "--elastic", "--nproc-per-node", str(ranks),
-               str(SCRIPT.parent / "elastic_inflight.py"), shape]  # fmt: skip
+               str(script), shape, *([axis] if axis else [])]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(REPO),
                           timeout=90, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -247,7 +252,7 @@ def test_calls_in_flight_say_the_mesh_is_being_re_formed(shape: str) -> None:
     for rank, line in lines.items():
         assert line["shape"] == [int(n) for n in shape.split("x")], line
         assert line["psum"] == [float(ranks)] * 2, line
-        if rank == 0:
+        if rank not in waiting:
             assert line["error"] is None, line
             continue
         kind, words = line["error"]

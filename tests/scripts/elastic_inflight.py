@@ -1,12 +1,13 @@
 """Collectives in flight while a survivor re-forms the mesh (run by tests/test_elastic.py).
 
-    meshrun --elastic --nproc-per-node N elastic_inflight.py SHAPE
+    meshrun --elastic --nproc-per-node N elastic_inflight.py SHAPE [AXIS]
 
 SHAPE is ``3`` (axis dp) or ``2x2`` (dp, tp). Rank 0 acts as the survivor that saw a
-failure first: after a moment it calls ``shrink`` while every other rank waits for it in a
-psum over the whole mesh. Nobody died, so every rank must be in the new mesh. Each rank
-prints one JSON line: the error its call in flight ended with (rank 0: none), the new
-mesh's shape and a psum on it.
+failure first: after a moment it calls ``shrink`` while every other rank waits in a psum
+over the whole mesh (or over AXIS alone: then only rank 0's group along it waits for it,
+the others' psum completes). Nobody died, so every rank must be in the new mesh. Each rank
+prints one JSON line: the error its call in flight ended with (none where its psum
+completed), the new mesh's shape and a psum on it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
 
     shape = tuple(int(n) for n in sys.argv[1].split("x"))
     names = ("dp", "tp")[: len(shape)]
+    axes = sys.argv[2] if len(sys.argv) > 2 else names
     elastic = ElasticMesh(shape, names)
     rank = elastic.rank
     error: CommError | None = None
@@ -35,7 +37,7 @@ def main() -> None:
         elastic.shrink()
     else:
         try:
-            ops.psum(np.ones(4), names, mesh=elastic.mesh)
+            ops.psum(np.ones(4), axes, mesh=elastic.mesh)
         except CommError as exc:
             error = exc
         elastic.shrink(error)
