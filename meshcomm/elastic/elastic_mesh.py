@@ -217,8 +217,13 @@ class ElasticMesh:
         """
         me, old = self.rank, len(self.members)
         # A peer that closed to re-form the mesh (PeerClosed) is a survivor, not a death.
-        dead = isinstance(error, PeerError) and not isinstance(error, PeerClosed)
-        seen = [error.rank] if dead and error.rank is not None else []  # type: ignore[union-attr]
+        seen = []
+        if (
+            isinstance(error, PeerError)
+            and not isinstance(error, PeerClosed)
+            and error.rank is not None
+        ):
+            seen = [error.rank]
         world.shutdown(  # device communicators abort: a collective may wait on the dead
             f"the mesh is being re-formed after a loss (round {self.rounds + 1}); go on "
             "with the ElasticMesh's mesh",

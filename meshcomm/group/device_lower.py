@@ -158,23 +158,14 @@ def plan_all_reduce(
     fields, _ = _sig.all_reduce(c, dt, shape, op, factor)
     prim, rop = DeviceBuffers(dev, xp).prim(c, fields), fields["reduce"]
     # The ndarray constructor: what xp.empty calls, minus 0.5 us of Python on cupy.
-    empty, reduce_out, divide = xp.ndarray, dev.all_reduce_out, xp.true_divide
-    if rop is ReduceOp.AVG:
+    empty, reduce_out = xp.ndarray, dev.all_reduce_out
 
-        def run(x: Any) -> Any:
-            out = empty(shape, dtype=dt)
-            reduce_out(x, out, prim)
-            divide(out, size, out=out)
-            return out
+    def run(x: Any) -> Any:
+        out = empty(shape, dtype=dt)
+        reduce_out(x, out, prim)
+        return out
 
-    else:
-
-        def run(x: Any) -> Any:
-            out = empty(shape, dtype=dt)
-            reduce_out(x, out, prim)
-            return out
-
-    return ReturningPlan("all_reduce", fields, run, on_device=True)
+    return _device_plan("all_reduce", fields, _averaging(xp, rop, size, run))
 
 
 # -- the other collectives' plans ------------------------------------------------------------

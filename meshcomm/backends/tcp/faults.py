@@ -365,10 +365,9 @@ class Faults:
         if record.mismatch:
             raise MismatchError(record.reason)  # every rank raises the same words
         closing = self.closing_reason()
-        if closing is not None and closing != record.reason:
-            raise PeerClosed(f"rank {self.rank}: {closing} (after: {record})", record.rank)
         if closing is not None:
-            raise PeerClosed(f"rank {self.rank}: {closing}", record.rank)
+            after = "" if closing == record.reason else f" (after: {record})"
+            raise PeerClosed(f"rank {self.rank}: {closing}{after}", record.rank)
         raise PeerError(f"rank {self.rank}: aborting, another rank reported: {record}", record.rank)
 
     # -- the store -------------------------------------------------------------------------
