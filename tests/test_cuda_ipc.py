@@ -239,6 +239,43 @@ def test_the_group_lowerings_over_the_stand_in_equal_the_host_path(nprocs: int) 
         assert problems == [], problems
 
 
+STANDINS = str(Path(__file__).parent / "standins")
+
+
+def _conformance_through_device_arrays(group: Any) -> list[str]:
+    """The conformance suite with "cupy" inputs (tests/standins: numpy dressed as cupy, put
+    first on this rank process's path) through a group whose device communicator is the
+    stand-in: every rank of a call must take the same route, also where a rank passes None
+    to a broadcast or scatter, and point to point keeps tags and any-source receives."""
+    import sys
+
+    sys.path.insert(0, STANDINS)
+    from test_gpu import DeviceGroup
+
+    from meshcomm.group import ProcessGroup
+    from meshcomm.testing import run_conformance
+
+    host = group._comm.sub(list(range(group.size)))
+    device = ipc_world(group, "pg")
+    device.array_module = "cupy"  # the group's device arrays: the stand-in's numpy in disguise
+    pg = ProcessGroup(host, store=group.store, name="ipc", device=device)
+    try:
+        return run_conformance(DeviceGroup(pg), quick=True)  # type: ignore[arg-type]
+    finally:
+        pg.close()
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_the_conformance_suite_through_device_arrays_over_the_stand_in(nprocs: int) -> None:
+    """The GPU run's conformance test (tests/test_gpu_ipc.py) found ranks taking different
+    routes: a rank passing None took the host route while the root's cupy array took the
+    device route. Here the same suite runs on a CPU."""
+    for rank, failures in enumerate(
+        run_ranks(_conformance_through_device_arrays, nprocs, timeout=180)
+    ):
+        assert failures == [], f"rank {rank}: " + "\n".join(failures[:20])
+
+
 def _mismatch(group: Any) -> str:
     comm = ipc_world(group, "mismatch")
     size = 4 if group.rank == 0 else 8

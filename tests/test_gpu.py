@@ -87,22 +87,32 @@ class DeviceGroup:
 
         def call(x: Any, *args: Any, **kwargs: Any) -> Any:
             device_in = _to_device(x)
+            on_device = device_in is not x or (x is None and self._arrives(kwargs))
             out = attr(device_in, *args, **kwargs)
             if kwargs.get("async_op"):
-                return _HostWork(out, device_in is not x)
-            return _to_host(out, device_in is not x, name)
+                return _HostWork(out, on_device)
+            return _to_host(out, on_device, name)
 
         return call
+
+    def _arrives(self, kwargs: dict[str, Any]) -> bool:
+        """Whether a rank passing None gets a cupy array: in a group with a device backend,
+        for a dtype cupy holds (``routes.arrival_route``)."""
+        dtype = kwargs.get("dtype")
+        if dtype is None or self._group.device_backend is None:
+            return False  # the call is refused, or runs on the host
+        return np.dtype(dtype).kind in "biufc"
 
 
 def _to_host(out: Any, expect_device: bool, name: str) -> Any:
     import cupy
 
-    if out is None or not expect_device:
+    if out is None:
         return out
-    if not isinstance(out, cupy.ndarray):
-        raise TypeError(f"{name}: a cupy input gave a {type(out).__name__} result")
-    return cupy.asnumpy(out)
+    if isinstance(out, cupy.ndarray) != expect_device:
+        where = "a cupy" if expect_device else "a host"
+        raise TypeError(f"{name}: {where} call gave a {type(out).__module__} result")
+    return cupy.asnumpy(out) if expect_device else out
 
 
 class _HostWork:

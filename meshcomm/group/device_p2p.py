@@ -180,9 +180,12 @@ class DeviceP2P:
 
 
 def for_communicators(host: Communicator, dev: Communicator) -> DeviceP2P | None:
-    """A group's device point to point over ``host`` and ``dev``; None where the host
-    backend cannot carry the headers' dtype (mpi: it moves the collectives' dtypes only)."""
-    if host.backend_name == "mpi":
+    """A group's device point to point over ``host`` and ``dev``; None (the group stages
+    device arrays through its host route) where the host backend cannot carry the headers'
+    dtype (mpi: it moves the collectives' dtypes only), or where the device communicator
+    would move the payloads through host memory anyway (cuda_ipc): the host route matches
+    receives by tag and takes any source, which payloads matched by order cannot."""
+    if host.backend_name == "mpi" or dev.backend_name == "cuda_ipc":
         return None
     return DeviceP2P(host, dev, importlib.import_module(dev.array_module))
 

@@ -501,7 +501,10 @@ class ProcessGroup(SubGroups, PointToPoint):
 
         Args:
             x: the array on root; elsewhere an array of the same shape and dtype (its values
-                are ignored) or None with ``shape=`` and ``dtype=``.
+                are ignored) or None with ``shape=`` and ``dtype=``. In a group with a device
+                backend, None receives a device array (cupy) where the device holds the
+                dtype (every rank of a call takes the root's route: a root's host array of
+                such a dtype needs arrays, not None, elsewhere; see ``routes.arrival_route``).
             root: the group rank that sends.
             shape: the array's shape, needed off root when ``x`` is None.
             dtype: the array's dtype, needed off root when ``x`` is None.
@@ -592,7 +595,8 @@ class ProcessGroup(SubGroups, PointToPoint):
         Args:
             x: on root, an array of shape ``(size, *shape)``; elsewhere None (then pass
                 ``shape=`` and ``dtype=``, the shape of one entry) or an array of the same
-                stacked shape and dtype (its values are ignored).
+                stacked shape and dtype (its values are ignored). None in a group with a
+                device backend: as for :meth:`broadcast`.
             root: the group rank that sends.
             shape: the shape of one entry (without the leading ``size``).
             dtype: the dtype.

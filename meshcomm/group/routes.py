@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import sys
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -49,6 +50,7 @@ __all__ = [
     "DeviceRoute",
     "HostRoute",
     "array_module",
+    "arrival_route",
     "device_module",
     "device_route",
     "give_back",
@@ -253,6 +255,31 @@ def device_route(device: Communicator | None, x: Any) -> DeviceRoute | None:
         return None
     xp = device_module(x)
     return None if xp is None else DeviceRoute(device, xp)
+
+
+def arrival_route(device: Communicator | None, dtype: Any) -> DeviceRoute | None:
+    """The route of a rank that passes None to a broadcast or scatter (off the root, told
+    only the result's ``dtype``): every rank of one call must take the same route, and such
+    a rank cannot see where the root's array lives. In a group with a device communicator
+    it takes the device route for a dtype the device's module holds (bool, integers,
+    floats, complex: a root's array of such a dtype is a device array in the programs such
+    a group is made for), else the host route (bfloat16 and other numpy-only dtypes, which
+    a root can hold only in host memory). A root whose array lives elsewhere makes the
+    others pass an array of that kind instead of None.
+
+    Example:
+        >>> arrival_route(None, np.float32) is None
+        True
+    """
+    if device is None or dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return None  # the lowering names the bad dtype
+    if dt.kind not in "biufc" or not dt.isnative:
+        return None
+    return DeviceRoute(device, importlib.import_module(device.array_module))
 
 
 def host_route(x: Any) -> HostRoute:
