@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from meshcomm import distributed as inplace
 from meshcomm.c10d._errors import as_torch_error
+from meshcomm.c10d._names import GroupNames
 from meshcomm.c10d._work import TorchWork, completed
 from meshcomm.distributed._pg import ProcessGroup as Handle
 from meshcomm.distributed._state import STATE as _STATE
@@ -102,7 +103,7 @@ def _translated(fn: Callable[P, R]) -> Callable[P, R]:
 _TorchProcessGroup: Any = dist.ProcessGroup
 
 
-class MeshcommProcessGroup(_TorchProcessGroup):
+class MeshcommProcessGroup(GroupNames, _TorchProcessGroup):
     """A torch process group over a meshcomm :class:`~meshcomm.group.ProcessGroup`.
 
     Made by ``torch.distributed.init_process_group("meshcomm")`` and ``new_group`` (see
@@ -138,33 +139,15 @@ class MeshcommProcessGroup(_TorchProcessGroup):
         """``"meshcomm"``."""
         return BACKEND_NAME
 
-    def getGroupName(self) -> str:
-        """torch's unique name of the group."""
-        return self._group_name
-
     def setGroupName(self, name: str) -> None:
         """Set by torch once the group is made."""
         self._group_name = name
         self._handle.group_name = name
 
-    def getGroupDesc(self) -> str:
-        """torch's description of the group (``"default_pg"``, a mesh axis's)."""
-        return self._group_desc
-
     def setGroupDesc(self, desc: str) -> None:
         """Set by torch once the group is made."""
         self._group_desc = desc
         self._handle.group_desc = desc
-
-    @property
-    def group_name(self) -> str:
-        """torch's unique name of the group."""
-        return self._group_name
-
-    @property
-    def group_desc(self) -> str:
-        """torch's description of the group."""
-        return self._group_desc
 
     def _get_backend(self, device: Any = None) -> MeshcommProcessGroup:
         """torch asks a group for its backend per device; this group is its own, for both."""

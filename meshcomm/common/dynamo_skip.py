@@ -13,7 +13,9 @@ the call runs eagerly, on real tensors, with none of its frames compiled. It nev
 torch: an import hook waits for whoever loads Dynamo, and eager code pays nothing.
 
 What stays traceable: :mod:`meshcomm.ops` (torch operators, traced by design), the mesh
-(``with mesh:``, axis lookups) and the plain data modules (errors, reduce ops).
+(``with mesh:``, axis lookups), the plain data modules (errors, reduce ops) and the torch
+group's names (:mod:`meshcomm.c10d._names`: torch's functional collectives read
+``group.group_name`` in compiled code).
 
 Example:
     >>> arm()  # at import of meshcomm.work; idempotent
@@ -36,7 +38,9 @@ __all__ = ["arm", "register", "skipped_paths"]
 _RULES = "torch._dynamo.trace_rules"
 
 #: The modules and packages Dynamo may trace (paths under meshcomm/); everything else is skipped.
-TRACEABLE = frozenset({"__init__", "ops", "mesh/__init__", "mesh/drawing", "errors", "reduction"})
+TRACEABLE = frozenset(
+    {"__init__", "ops", "mesh/__init__", "mesh/drawing", "errors", "reduction", "c10d/_names"}
+)
 
 _DONE: list[bool] = []
 
