@@ -14,9 +14,9 @@ Needs a GPU, cupy and NCCL (run it through the device tool; CI has none). Three 
   (``cupy.asnumpy`` / ``cupy.asarray``, what tcp and mpi staging do today) against a
   pinned host buffer (``cupy.cuda.alloc_pinned_memory``).
 
-Usage::
+Usage (``--profile N``: where the host time of N group all_reduces goes)::
 
-    python bench/nccl_overhead.py [--rounds 7] [--json out.json]
+    python bench/nccl_overhead.py [--rounds 7] [--json out.json] [--profile 20000]
 """
 
 from __future__ import annotations
@@ -39,6 +39,21 @@ def _per_call(call: Callable[[], None], sync: Callable[[], None], iters: int) ->
         call()
     sync()
     return (time.perf_counter() - start) / iters * 1e6
+
+
+def _profile(call: Callable[[], Any], sync: Callable[[], None], calls: int) -> None:
+    """Where the host time of ``calls`` calls goes: cProfile's top functions by own time."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        call()
+    sync()
+    profile.disable()
+    print(f"\nprofile of {calls} calls, by own time")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 def _alternated(
@@ -64,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", default="")
+    parser.add_argument("--profile", type=int, default=0, help="profile this many calls")
     args = parser.parse_args()
 
     import cupy as cp
@@ -152,12 +168,14 @@ def main() -> None:
         "group.all_gather(cupy)": lambda: group.all_gather(x8),
         "raw reduceScatter": lambda: raw.reduceScatter(src12, dst12, 2, f32, add, stream.ptr),
         "group.reduce_scatter(cupy)": lambda: group.reduce_scatter(x12),
-        "raw bcast": lambda: raw.bcast(src8, 2, f32, 0, stream.ptr),
+        "raw broadcast": lambda: raw.broadcast(src8, dst8, 2, f32, 0, stream.ptr),
         "group.broadcast(cupy)": lambda: group.broadcast(x8, 0),
         "raw reduce": lambda: raw.reduce(src8, dst8, 2, f32, add, 0, stream.ptr),
         "group.reduce(cupy)": lambda: group.reduce(x8, 0),
     }
     time_paths(collectives)
+    if args.profile:
+        _profile(lambda: group.all_reduce(x8), stream.synchronize, args.profile)
     meshcomm.shutdown()
     os.environ["MESHCOMM_NCCL_NATIVE"] = "1"  # the same group path on the native binding
     group = meshcomm.init(backend="cpu:tcp,cuda:nccl", world_size=1, rank=0)
@@ -177,6 +195,10 @@ def main() -> None:
         "event.record": lambda: event.record(stream),
         "stream.wait_event": lambda: other.wait_event(event),
         "event.done": lambda: event.done,
+        "cupy.ndarray((2,))": lambda: cp.ndarray((2,), dtype=np.float32),
+        "x.flags.c_contiguous": lambda: x8.flags.c_contiguous,
+        "x.data.ptr": lambda: x8.data.ptr,
+        "x.shape, x.dtype": lambda: (x8.shape, x8.dtype),
     }
     for name, part in parts.items():
         times = [_per_call(part, stream.synchronize, 1000) for _ in range(args.rounds)]

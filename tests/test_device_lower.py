@@ -208,10 +208,10 @@ def _compare_plans(group: Any) -> list[str]:
     for name, arr, args, expected in cases:
         coll = COLLECTIVES[name]
         key = coll.device_key(arr, *args)
-        if key is None or key[:2] != (name, "device"):
+        if key is None or key != coll.key(arr, *args):
             problems.append(f"rank {me}: {name}{args}: device key {key!r}")
             continue
-        plan = issuer.plan(key, coll.device_plan, comm, np, arr, *args)
+        plan = issuer.plan(key, coll.device_plan, comm, np, arr, *args, cache=issuer.device_plans)
         for async_op in (False, True):
             seq = issuer.seq
             got = issuer.run_device_plan(plan, arr, async_op)

@@ -279,6 +279,39 @@ def test_a_result_is_ready_on_the_callers_stream_without_a_host_sync(binding: st
 
 @needs_gpu
 @pytest.mark.gpu
+def test_calls_on_two_streams_run_in_the_order_they_were_made(binding: str) -> None:
+    """A call runs on the caller's stream; one on another stream than the last waits for
+    the last (NCCL runs a communicator's calls in one order on every rank)."""
+    import cupy as cp
+
+    comm = _world()
+    try:
+        first, second = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+        with first:
+            slow = cp.full((2048, 2048), 1e-3, dtype=cp.float32)
+            for _ in range(30):  # milliseconds of work before the first call
+                slow = slow @ slow
+            a = cp.ones(4, dtype=cp.float32)
+            comm.all_reduce(a, ReduceOp.SUM)
+            first_done = comm._last_done
+        with second:
+            b = cp.full(4, 2.0, dtype=cp.float32)
+            comm.all_reduce(b, ReduceOp.SUM)
+            second_done = comm._last_done
+        assert comm._last_stream == second.ptr
+        second_done.synchronize()
+        assert first_done.done, "the call on the second stream ended before the first"
+        with first:
+            c = cp.full(4, 3.0, dtype=cp.float32)
+            comm.all_reduce(c, ReduceOp.SUM)  # back on the first: waits for the second
+            assert float(c.sum()) == 12.0
+        assert float(a.sum()) == 4.0 and float(b.sum()) == 8.0
+    finally:
+        comm.close()
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_a_member_that_never_arrives_is_named_within_the_timeout(binding: str) -> None:
     import cupy as cp
 

@@ -156,11 +156,11 @@ def _scatter_key(x: Any, root: Any, shape: Any, dtype: Any) -> tuple[Any, ...] |
 
 def _on_device(key: Callable[..., tuple[Any, ...] | None]) -> Callable[..., tuple[Any, ...] | None]:
     """The device plan's key of a collective whose host key is ``key``: the same signature,
-    marked ``device``, for a C-contiguous input only (the device runners read it flat)."""
+    for a C-contiguous input only (the device runners read it flat). The group keeps device
+    plans apart from host plans (``Issuer.device_plans``), so the key needs no mark."""
 
     def device_key(x: Any, *args: Any) -> tuple[Any, ...] | None:
-        found = key(x, *args) if x.flags.c_contiguous else None
-        return None if found is None else (found[0], "device", *found[1:])
+        return key(x, *args) if x.flags.c_contiguous else None
 
     return device_key
 

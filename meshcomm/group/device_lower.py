@@ -158,12 +158,23 @@ def plan_all_reduce(
     fields, _ = _sig.all_reduce(c, dt, shape, op, factor)
     prim, rop = DeviceBuffers(dev, xp).prim(c, fields), fields["reduce"]
     # The ndarray constructor: what xp.empty calls, minus 0.5 us of Python on cupy.
-    empty, reduce_out = xp.ndarray, dev.all_reduce_out
+    empty = xp.ndarray
+    prepared = getattr(dev, "all_reduce_out_of", None)  # nccl's: the codes looked up once
+    if prepared is not None:
+        reduce_prepared = prepared(dt, prim)
 
-    def run(x: Any) -> Any:
-        out = empty(shape, dtype=dt)
-        reduce_out(x, out, prim)
-        return out
+        def run(x: Any) -> Any:
+            out = empty(shape, dtype=dt)
+            reduce_prepared(x, out)
+            return out
+
+    else:
+        reduce_out = dev.all_reduce_out
+
+        def run(x: Any) -> Any:
+            out = empty(shape, dtype=dt)
+            reduce_out(x, out, prim)
+            return out
 
     return _device_plan("all_reduce", fields, _averaging(xp, rop, size, run))
 

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
@@ -98,6 +99,7 @@ class Issuer:
         engine: the progress engine.
         book: the group's ledger.
         plans: the plan of each call signature seen, by key (the collective's name first).
+        device_plans: the same for calls on the device communicator.
         seq: the number of collectives issued so far.
         history: where the backend carries no stamps, the running hash of the calls'
             signatures (:mod:`meshcomm.diagnostics.mpi_history`); else None.
@@ -118,6 +120,14 @@ class Issuer:
         self._group = group
         self._comm = comm
         self._device = device
+        # The device module and its array type (cupy's): such an array takes the device
+        # plans' route from call() at once. None without a device communicator; numpy's
+        # (the stand-ins') never gets there: numpy arrays take the host plans.
+        self._xp: ModuleType | None = None
+        self._device_array: type | None = None
+        if device is not None:
+            self._xp = importlib.import_module(device.array_module)
+            self._device_array = getattr(self._xp, "ndarray", None)
         self.engine = engine
         self._where = where
         self.debug = debug
@@ -149,6 +159,9 @@ class Issuer:
         self._calls: dict[str, _lower.Call] = {}
         # One plan per call signature (_plans.Plan), made on first use, dropped by close().
         self.plans: dict[tuple[Any, ...], _Planned] = {}
+        # The device calls' plans, by the same keys (a cupy call's signature reads as a
+        # numpy call's).
+        self.device_plans: dict[tuple[Any, ...], _Planned] = {}
 
     def relabel(self, where: str) -> None:
         """Name this rank and group ``where`` in messages from now on."""
@@ -167,6 +180,7 @@ class Issuer:
             _mpi_history.wait_quietly(self._pending, timeout)
         self._pending = None
         self.plans.clear()
+        self.device_plans.clear()
 
     # -- the main route --------------------------------------------------------------------
     def call(self, coll: Collective, x: Any, async_op: bool, *args: Any) -> Any:
@@ -182,6 +196,23 @@ class Issuer:
                     plan = self._new_plan(key, coll.plan, x, *args)
                 if plan.fills:
                     return self.run_plan(plan, x, async_op)
+                return self.run_returning(plan, x, async_op)
+        elif type(x) is self._device_array and coll.on_device:
+            # What lowered() finds for a cupy array, without asking routes for its kind.
+            key = coll.device_key(x, *args)
+            if key is not None:
+                try:
+                    plan = self.device_plans[key]
+                except (KeyError, TypeError):
+                    plan = self._new_plan(
+                        key,
+                        coll.device_plan,
+                        self._device,
+                        self._xp,
+                        x,
+                        *args,
+                        cache=self.device_plans,
+                    )
                 return self.run_returning(plan, x, async_op)
         return self.lowered(coll, x, async_op, args)
 
@@ -205,12 +236,15 @@ class Issuer:
         communicator (its plan where it has a key), else lowered onto host buffers (a device
         array through a host copy, its result handed back to its module)."""
         name = coll.name
-        on_device = routes.device_route(self._device, x)
+        if x is None and name in _LOCATION_FREE:
+            on_device = routes.arrival_route(self._device, args[-1])  # (root, shape, dtype)
+        else:
+            on_device = routes.device_route(self._device, x)
         if on_device is not None and coll.on_device:
             dev, xp = on_device
-            key = coll.device_key(x, *args)
+            key = None if x is None else coll.device_key(x, *args)
             if key is not None:
-                plan = self.plan(key, coll.device_plan, dev, xp, x, *args)
+                plan = self.plan(key, coll.device_plan, dev, xp, x, *args, cache=self.device_plans)
                 return self.run_returning(plan, x, async_op)
             c = self.enter(name)
             lowered = coll.lower(c, x, *args, on=_device_lower.DeviceBuffers(dev, xp))
@@ -391,22 +425,34 @@ class Issuer:
         return Work.completed(f"{op} on {self._where}", result, probe)
 
     # -- planned calls ---------------------------------------------------------------------
-    def plan(self, key: tuple[Any, ...], make: Callable[..., _AnyPlan], *args: Any) -> _AnyPlan:
+    def plan(
+        self,
+        key: tuple[Any, ...],
+        make: Callable[..., _AnyPlan],
+        *args: Any,
+        cache: dict[tuple[Any, ...], _Planned] | None = None,
+    ) -> _AnyPlan:
         """The plan of the call signature ``key`` (its first item the collective's name):
         the group's cached one, else a new one, ``make(call, *args)`` (every check of the
-        lowering, so every error is raised here, before any I/O), kept under ``key``."""
+        lowering, so every error is raised here, before any I/O), kept under ``key`` in
+        ``cache`` (default :attr:`plans`; device calls: :attr:`device_plans`)."""
+        plans = self.plans if cache is None else cache
         try:
-            return cast(_AnyPlan, self.plans[key])
+            return cast(_AnyPlan, plans[key])
         except (KeyError, TypeError):  # a new signature (or an unhashable argument)
             pass
         # Made outside the handler: its errors come without a KeyError as their context.
-        return self._new_plan(key, make, *args)
+        return self._new_plan(key, make, *args, cache=plans)
 
     def _new_plan(
-        self, key: tuple[Any, ...], make: Callable[..., _AnyPlan], *args: Any
+        self,
+        key: tuple[Any, ...],
+        make: Callable[..., _AnyPlan],
+        *args: Any,
+        cache: dict[tuple[Any, ...], _Planned] | None = None,
     ) -> _AnyPlan:
         plan = make(self.enter(key[0]), *args)
-        plans = self.plans
+        plans = self.plans if cache is None else cache
         if len(plans) >= _PLANS:
             # Another thread may evict at the same time: then one plan fewer, no harm.
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):

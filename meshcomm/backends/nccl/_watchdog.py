@@ -44,8 +44,9 @@ class Watched(Protocol):
 class Watchdog:
     """Events of queued NCCL operations, each with a deadline; a thread that checks them.
 
-    A communicator queues all its operations on one stream, so they complete in the order
-    queued and the completed ones are a prefix of its queue. Per owner, the thread asks the
+    A communicator's operations complete in the order queued (one stream, or, where its
+    stream changes, a wait for the last one's event: ``NcclCommunicator._queue``), so the
+    completed ones are a prefix of its queue. Per owner, the thread asks the
     newest event first (done: the whole queue is), else finds the first operation not done
     by bisection and fails the owner if that one is past its deadline. A poll costs a few
     event queries per owner, however many operations are queued (a query takes the GIL
@@ -63,10 +64,19 @@ class Watchdog:
     ) -> None:
         """Fail ``owner`` with a timeout naming ``what`` unless ``event`` completes in time.
 
-        ``owner``'s operations must complete in the order they are watched (one stream).
+        ``owner``'s operations must complete in the order they are watched.
         ``spare``: where ``event`` goes once it completed (None: nowhere).
         """
         entry = (event, time.monotonic() + timeout, what, spare)
+        queued = self._queues.get(id(owner))
+        if queued is not None:
+            # The common case, without the lock (a deque's append is atomic): the thread
+            # drops an owner's queue only when it is empty, under the lock, so the entry
+            # stands unless the queue was dropped before it went in; then it is put back.
+            queued[1].append(entry)
+            if self._queues.get(id(owner)) is queued:
+                return
+            queued[1].remove(entry)
         with self._lock:
             queued = self._queues.get(id(owner))
             if queued is None:

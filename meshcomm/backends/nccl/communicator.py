@@ -1,13 +1,16 @@
-"""The nccl backend's Communicator: collectives on GPU buffers, queued on a stream of its own.
+"""The nccl backend's Communicator: collectives on GPU buffers, queued on the caller's stream.
 
 Buffers are 1-D, C-contiguous device arrays (cupy, or anything with
 ``__cuda_array_interface__``) on the device current when the communicator first ran.
 
-**Streams.** Each communicator has its own CUDA stream. A call makes that stream wait for
-the caller's current stream (an event), queues the NCCL kernel there, and makes the
-caller's stream wait for it: the call returns without synchronizing the host, and the
-result is safe to use on the caller's stream (torch's ``wait_tensor`` semantics). Only
-``barrier`` and ``recv`` (which must learn the incoming shape) wait on the host.
+**Streams.** A call queues its NCCL kernel on the caller's current stream: it runs after
+the caller's earlier work there, the call returns without synchronizing the host, and the
+result is safe to use on the caller's stream (torch's ``wait_tensor`` semantics). A call
+run later on another thread (a :meth:`NcclCommunicator.ready_token` stands for its caller)
+runs on a stream of the communicator's, between an event of the caller's and the caller's
+stream. A call on another stream than the last waits for the last one first: NCCL runs a
+communicator's calls in one order on every rank. Only ``barrier`` and ``recv`` (which must
+learn the incoming shape) wait on the host.
 
 **Bootstrap.** The NCCL communicator is made on the first call, by every member at once
 (members make their collectives in the same order): rank 0 draws the unique id and puts it
@@ -154,7 +157,11 @@ class NcclCommunicator(Communicator):
         # only with a receive in the same group call, which send() and recv() are not.
         self._to_self: dict[int, list[Any]] = {}
         self._codes: dict[tuple[Any, ReduceOp, str], tuple[int, int, int]] = {}
-        self._caller_ready: Any = None
+        # What the watchdog calls each operation ("all_reduce over 'tp'"), by its name.
+        self._watch_names: dict[str, str] = {}
+        # The last call's done event and the stream it ran on (see _queue).
+        self._last_done: Any = None
+        self._last_stream = 0
         self._spare_events: list[Any] = []  # completed events, refilled by the watchdog
         # The GPU this communicator's NCCL communicator binds to: the device current when the
         # world was made (init sets it from LOCAL_RANK), whichever thread bootstraps it.
@@ -174,6 +181,11 @@ class NcclCommunicator(Communicator):
         world._device_id = int(world._cp.cuda.runtime.getDevice())
         return world
 
+    def describe_as(self, label: str) -> None:
+        """Name the group in errors and in the watchdog's reports from now on."""
+        super().describe_as(label)
+        self._watch_names = {}
+
     # -- lifetime ------------------------------------------------------------------------
     def _ready(self, what: str) -> Any:
         """The NCCL communicator (made now if this is the first call); raises if failed."""
@@ -190,7 +202,6 @@ class NcclCommunicator(Communicator):
                 if self._nccl is None:
                     self._adopt(self._bootstrap(what))
                 self._stream = self._cp.cuda.Stream(non_blocking=True)
-                self._caller_ready = self._event()
         return self._nccl
 
     def _adopt(self, comm: Any) -> None:
@@ -314,8 +325,8 @@ class NcclCommunicator(Communicator):
         comm, self._nccl = self._nccl, None
         if comm is not None:
             if self._failure is None and not abort:
-                if self._stream is not None:
-                    self._stream.synchronize()
+                if self._last_done is not None:
+                    self._last_done.synchronize()  # every call queued so far has ended
                 comm.destroy()
             else:
                 comm.abort()
@@ -328,24 +339,34 @@ class NcclCommunicator(Communicator):
         reuse: bool = True,
         after: tuple[Any, Any] | None = None,
     ) -> Any:
-        """Run ``launch(nccl_comm, stream_ptr)`` on this communicator's stream, ordered after
-        the caller's current stream and before its later work; return the done event.
+        """Run ``launch(nccl_comm, stream_ptr)`` ordered after the caller's current stream
+        and before its later work; return the done event.
+
+        A call made on the caller's thread (``after`` None) is queued on the caller's
+        current stream itself: the caller's later work waits for it there, as it would for
+        a call on a stream of the communicator's that the caller's stream waited on, and
+        the two events and two waits such a stream needs per call are saved (2.7 us of
+        17.7 at 8 bytes on an H200). ``after``: a :meth:`ready_token` taken earlier (a
+        call run later on another thread): its event and stream stand for the caller's,
+        and the call runs on the communicator's own stream, between the two.
+
+        NCCL runs one communicator's calls in the order they were queued on every rank,
+        which two streams could break (two kernels of one communicator at once can wait
+        on each other for good): a call queued on another stream than the last waits for
+        the last call's done event first.
 
         ``reuse``: the done event may be recorded again once it completed (False where the
-        caller waits on it: another thread's call could record it meanwhile). ``after``: a
-        :meth:`ready_token` taken earlier (a call run later on another thread): its event
-        and stream stand for the caller's."""
+        caller waits on it: another thread's call could record it meanwhile)."""
         comm = self._ready(what)
-        stream = self._stream
         if after is None:
-            caller = self._cp.cuda.get_current_stream()
-            # cudaStreamWaitEvent takes the event as last recorded, so one event serves every
-            # call; the done event is new each time (the watchdog holds it until it completes).
-            ready = self._caller_ready
-            ready.record(caller)
+            caller = stream = self._cp.cuda.get_current_stream()
         else:
             ready, caller = after
-        stream.wait_event(ready)
+            stream = self._stream
+            stream.wait_event(ready)
+        last = self._last_done
+        if last is not None and stream.ptr != self._last_stream:
+            stream.wait_event(last)
         try:
             launch(comm, stream.ptr)
         except TimeoutError as exc:  # the native binding's call stayed in progress (aborted)
@@ -356,8 +377,13 @@ class NcclCommunicator(Communicator):
         spare = self._spare_events
         done = spare.pop() if spare and reuse else self._event()
         done.record(stream)
-        caller.wait_event(done)
-        WATCHDOG.watch(self, done, self.timeout, f"{what} {self.label}", spare if reuse else None)
+        if stream is not caller:
+            caller.wait_event(done)
+        self._last_done, self._last_stream = done, stream.ptr
+        name = self._watch_names.get(what)
+        if name is None:
+            name = self._watch_names[what] = f"{what} {self.label}"
+        WATCHDOG.watch(self, done, self.timeout, name, spare if reuse else None)
         return done
 
     def _grouped(self, what: str, launch: Callable[[Any, int], None], reuse: bool = True) -> Any:
@@ -395,6 +421,22 @@ class NcclCommunicator(Communicator):
         dtype, code, per = self._reduction(send.dtype, op, "all_reduce")
         count, src, dst = send.size * per, _address(send), _address(recv)
         self._queue("all_reduce", lambda c, s: c.allReduce(src, dst, count, dtype, code, s))
+
+    def all_reduce_out_of(self, dtype: np.dtype, op: ReduceOp) -> Callable[[Any, Any], None]:
+        """:meth:`all_reduce_out` for buffers of ``dtype`` reduced with ``op``, with the
+        reduction's codes looked up now, once (a device plan's per-call path).
+
+        Raises:
+            TypeError: NCCL does not reduce ``dtype`` with ``op``.
+        """
+        nccl_dtype, code, per = self._reduction(dtype, op, "all_reduce")
+        queue = self._queue
+
+        def run(send: Any, recv: Any) -> None:
+            count, src, dst = send.size * per, _address(send), _address(recv)
+            queue("all_reduce", lambda c, s: c.allReduce(src, dst, count, nccl_dtype, code, s))
+
+        return run
 
     def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp) -> None:
         """Reduce ``send`` across ranks; rank r gets block r in ``recv``."""
