@@ -7,7 +7,7 @@
 # (tests/test_nccl_groups.py), elastic (tests/test_elastic.py -k gpu: a shrink aborts and
 # re-makes the NCCL communicator), c10d (tests/test_c10d_gpu.py: the torch backend "meshcomm"
 # with CUDA tensors), gpu (tests/test_gpu.py; GPU_K=expr narrows it), bench
-# (bench/nccl_overhead.py), staging (bench/gpu_staging.py), mbench (meshcomm-bench --backend
+# (bench/nccl_overhead.py; PROFILE=N adds a profile of N group calls), staging (bench/gpu_staging.py), mbench (meshcomm-bench --backend
 # nccl), meshrun (meshrun --backend nccl --nproc-per-node gpu), ipc (tests/test_gpu_ipc.py:
 # ranks sharing one GPU over CUDA IPC), ipcbench (bench/gpu_ipc.py: that path against staging
 # at 8 B, 1 MiB, 64 MiB, at each world of IPC_WORLDS, default "2"), overlap (bench/overlap.py:
@@ -53,7 +53,7 @@ wait
 if [[ ${PARALLEL:-0} == 1 ]]; then
     for log in "$OUT"/*.log; do echo "$(basename "$log" .log): $(tail -n 1 "$log")"; done
 fi
-if has bench; then run bench 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json"; fi
+if has bench; then run bench 120 $PY bench/nccl_overhead.py --rounds 5 --json "$OUT/nccl_overhead.json" ${PROFILE:+--profile "$PROFILE"}; fi
 if has staging; then run staging 180 $PY bench/gpu_staging.py --rounds 2; fi
 if has mbench; then run mbench 120 $PY -m meshcomm.bench --backend nccl -b 8 -e 64M -f 8; fi
 if has meshrun; then run meshrun 90 $PY -m meshcomm.run --backend nccl --nproc-per-node gpu tests/scripts/nccl_psum.py; fi
