@@ -7,9 +7,10 @@
 # (tests/test_nccl_groups.py), elastic (tests/test_elastic.py -k gpu: a shrink aborts and
 # re-makes the NCCL communicator), c10d (tests/test_c10d_gpu.py: the torch backend "meshcomm"
 # with CUDA tensors), gpu (tests/test_gpu.py; GPU_K=expr narrows it), bench
-# (bench/nccl_overhead.py; PROFILE=N adds a profile of N group calls), staging (bench/gpu_staging.py), mbench (meshcomm-bench --backend
-# nccl), meshrun (meshrun --backend nccl --nproc-per-node gpu), ipc (tests/test_gpu_ipc.py:
-# ranks sharing one GPU over CUDA IPC), ipcbench (bench/gpu_ipc.py: that path against staging
+# (bench/nccl_overhead.py; PROFILE=N adds profiles of N group calls), staging
+# (bench/gpu_staging.py), mbench (meshcomm-bench --backend nccl), meshrun (meshrun
+# --backend nccl --nproc-per-node gpu), ipc (tests/test_gpu_ipc.py: ranks sharing one GPU
+# over CUDA IPC), ipcbench (bench/gpu_ipc.py: that path against staging
 # at 8 B, 1 MiB, 64 MiB, at each world of IPC_WORLDS, default "2"), overlap (bench/overlap.py:
 # needs no GPU, but such a machine has a core per rank). Logs go to $OUT (default
 # ./gpu-checks); the meshcomm checkout is put first on PYTHONPATH, no install needed. BUDGET

@@ -180,6 +180,8 @@ def main() -> None:
     os.environ["MESHCOMM_NCCL_NATIVE"] = "1"  # the same group path on the native binding
     group = meshcomm.init(backend="cpu:tcp,cuda:nccl", world_size=1, rank=0)
     time_paths({"group.all_reduce(cupy), native": lambda: group.all_reduce(x8)})
+    if args.profile:
+        _profile(lambda: group.all_reduce(x8), stream.synchronize, args.profile)
     meshcomm.shutdown()
     del os.environ["MESHCOMM_NCCL_NATIVE"]
     native.destroy()

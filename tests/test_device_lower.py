@@ -289,3 +289,23 @@ def test_a_device_call_that_differs_between_ranks_is_a_mismatch_naming_both(npro
         assert len(said) == 1, f"rank {rank} raised no MismatchError"
         assert "float32" in said[0] and "float64" in said[0], said[0]
         assert "on a GPU" in said[0], said[0]
+
+
+def test_a_kept_result_is_given_out_again_only_once_nothing_holds_it() -> None:
+    """A device plan's small result is reused after the caller let it go, never while the
+    caller (or a view of it) holds it; large results are always new."""
+    from meshcomm.group.device_lower import results
+
+    take = results(np, (4,), np.dtype(np.float32))
+    first = take()
+    first[:] = 1.0
+    view = first[1:]
+    last = id(first)
+    del first
+    second = take()  # the view still holds the first
+    assert id(second) != last and view.base is not None and id(view.base) == last
+    second[:] = 2.0
+    assert view.tolist() == [1.0, 1.0, 1.0]
+    kept = id(second)
+    del view, second
+    assert id(take()) == kept  # nothing holds the second now: the plan gives it out again

@@ -72,6 +72,8 @@ class _Event:
 
 
 class _Stream:
+    ptr = 0
+
     def synchronize(self) -> None:
         pass
 
