@@ -160,7 +160,11 @@ def _on_device(key: Callable[..., tuple[Any, ...] | None]) -> Callable[..., tupl
     plans apart from host plans (``Issuer.device_plans``), so the key needs no mark."""
 
     def device_key(x: Any, *args: Any) -> tuple[Any, ...] | None:
-        return key(x, *args) if x.flags.c_contiguous else None
+        # cupy's own flag: x.flags builds a flags object, 0.5 us of an 8-byte call.
+        contiguous = getattr(x, "_c_contiguous", None)
+        if contiguous is None:
+            contiguous = x.flags.c_contiguous
+        return key(x, *args) if contiguous else None
 
     return device_key
 
