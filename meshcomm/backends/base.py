@@ -153,6 +153,25 @@ class Communicator(ABC):
         np.copyto(recv, send)
         self.all_reduce(recv, op)
 
+    def all_reduce_out_of(self, dtype: np.dtype, op: ReduceOp) -> Callable[[Any, Any], None]:
+        """:meth:`all_reduce_out` for buffers of ``dtype`` reduced with ``op``, prepared once
+        (a device plan's per-call path). Default: ``all_reduce_out`` with ``op``; a backend
+        with per-call lookups to save (nccl: NCCL's codes) overrides it.
+
+        Example:
+            >>> from meshcomm.backends.local import SelfCommunicator
+            >>> recv = np.empty(2)
+            >>> SelfCommunicator().all_reduce_out_of(recv.dtype, ReduceOp.SUM)(np.ones(2), recv)
+            >>> recv.tolist()
+            [1.0, 1.0]
+        """
+        reduce_out = self.all_reduce_out
+
+        def run(send: Any, recv: Any) -> None:
+            reduce_out(send, recv, op)
+
+        return run
+
     def check_reduction(self, dtype: np.dtype, op: ReduceOp, what: str) -> None:
         """Raise ``TypeError`` (naming ``what``) if this backend cannot reduce ``dtype`` with
         ``op``. Default: nothing to raise (host backends reduce every pair the group layer

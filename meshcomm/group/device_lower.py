@@ -158,23 +158,12 @@ def plan_all_reduce(
     dt, shape, size = check_dtype(x.dtype, c.where), tuple(x.shape), c.size
     fields, _ = _sig.all_reduce(c, dt, shape, op, factor)
     prim, rop = DeviceBuffers(dev, xp).prim(c, fields), fields["reduce"]
-    fresh = results(xp, shape, dt)
-    prepared = getattr(dev, "all_reduce_out_of", None)  # nccl's: the codes looked up once
-    if prepared is not None:
-        reduce_prepared = prepared(dt, prim)
+    fresh, reduce_out = results(xp, shape, dt), dev.all_reduce_out_of(dt, prim)
 
-        def run(x: Any) -> Any:
-            out = fresh()
-            reduce_prepared(x, out)
-            return out
-
-    else:
-        reduce_out = dev.all_reduce_out
-
-        def run(x: Any) -> Any:
-            out = fresh()
-            reduce_out(x, out, prim)
-            return out
+    def run(x: Any) -> Any:
+        out = fresh()
+        reduce_out(x, out)
+        return out
 
     return _device_plan("all_reduce", fields, _averaging(xp, rop, size, run))
 

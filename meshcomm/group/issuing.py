@@ -201,18 +201,8 @@ class Issuer:
             # What lowered() finds for a cupy array, without asking routes for its kind.
             key = coll.device_key(x, *args)
             if key is not None:
-                try:
-                    plan = self.device_plans[key]
-                except (KeyError, TypeError):
-                    plan = self._new_plan(
-                        key,
-                        coll.device_plan,
-                        self._device,
-                        self._xp,
-                        x,
-                        *args,
-                        cache=self.device_plans,
-                    )
+                dev, xp, plans = self._device, self._xp, self.device_plans
+                plan = self.plan(key, coll.device_plan, dev, xp, x, *args, cache=plans)
                 return self.run_returning(plan, x, async_op)
         return self.lowered(coll, x, async_op, args)
 

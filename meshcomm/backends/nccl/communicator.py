@@ -345,10 +345,11 @@ class NcclCommunicator(Communicator):
         A call made on the caller's thread (``after`` None) is queued on the caller's
         current stream itself: the caller's later work waits for it there, as it would for
         a call on a stream of the communicator's that the caller's stream waited on, and
-        the two events and two waits such a stream needs per call are saved (2.7 us of
-        17.7 at 8 bytes on an H200). ``after``: a :meth:`ready_token` taken earlier (a
-        call run later on another thread): its event and stream stand for the caller's,
-        and the call runs on the communicator's own stream, between the two.
+        the two events and two waits such a stream needs per call are saved (about 2.7 us
+        on an H100, by the parts bench/nccl_overhead.py times). ``after``: a
+        :meth:`ready_token` taken earlier (a call run later on another thread): its event
+        and stream stand for the caller's, and the call runs on the communicator's own
+        stream, between the two.
 
         NCCL runs one communicator's calls in the order they were queued on every rank,
         which two streams could break (two kernels of one communicator at once can wait
@@ -418,9 +419,7 @@ class NcclCommunicator(Communicator):
 
     def all_reduce_out(self, send: Any, recv: Any, op: ReduceOp) -> None:
         """Reduce ``send`` across ranks into ``recv`` (NCCL's out-of-place allReduce)."""
-        dtype, code, per = self._reduction(send.dtype, op, "all_reduce")
-        count, src, dst = send.size * per, _address(send), _address(recv)
-        self._queue("all_reduce", lambda c, s: c.allReduce(src, dst, count, dtype, code, s))
+        self.all_reduce_out_of(send.dtype, op)(send, recv)
 
     def all_reduce_out_of(self, dtype: np.dtype, op: ReduceOp) -> Callable[[Any, Any], None]:
         """:meth:`all_reduce_out` for buffers of ``dtype`` reduced with ``op``, with the
