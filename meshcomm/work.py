@@ -188,7 +188,11 @@ class ProgressEngine:
         self._waiting = 0
         self._draining = 0  # of those waiting, the drain() calls
         self._queue: deque[tuple[Callable[[], Any], Work[Any]]] = deque()
-        self._busy = False
+        # The engine's one token: whoever runs an operation (an inline caller or the progress
+        # thread) pops it, and puts it back after. A list's pop and append are each atomic,
+        # so the inline path claims the engine without a lock; see claim() and release() for
+        # why no wake-up is lost.
+        self._idle: list[bool] = [True]
         self._stop = False
         self._closed_reason: str | None = None
         self._failure: BaseException | None = None
@@ -261,27 +265,35 @@ class ProgressEngine:
         caller must :meth:`release` the engine after it (:meth:`run_claimed` does both).
         False: go through :meth:`submit`.
         """
-        # acquire/release rather than ``with``: half the cost, and nothing here can raise.
-        lock = self._lock
-        lock.acquire()
-        free = not (self._busy or self._queue) and self.healthy
-        if free and self._thread_id is not None:
-            free = self._thread_id != threading.get_ident()
-        if free:
-            self._busy = True
-        lock.release()
-        return free
+        # No lock (two lock round trips were a sixth of an 8-byte all_reduce's group layer):
+        # the token's pop is atomic, and health is read again after it, so a close() that
+        # marks the group unhealthy either is seen here or sees the token gone and waits for
+        # release() (the GIL orders the two threads' reads and writes).
+        idle = self._idle
+        if self._queue or not idle or not self.healthy:
+            return False
+        if self._thread_id is not None and self._thread_id == threading.get_ident():
+            return False
+        try:
+            idle.pop()
+        except IndexError:  # another thread took it first
+            return False
+        if not self.healthy:
+            self.release()
+            return False
+        return True
 
     def release(self) -> None:
         """Give back the engine taken with :meth:`claim`."""
-        lock = self._lock
-        lock.acquire()
-        self._busy = False
-        # The idle progress thread waits for work, not for this: waking it on every inline
-        # call cost the caller the GIL (an 8-byte all_reduce 3x slower once a thread ran).
-        if self._waiting and (self._queue or self._draining):
-            self._cv.notify_all()
-        lock.release()
+        self._idle.append(True)
+        # Whoever waits for the token does so under the condition's lock with work queued
+        # (the progress thread) or with a drain counted: both read after the token is back,
+        # so one of them holds, and the notify below comes after the waiter's check. The idle
+        # progress thread waits for work, not for this: waking it on every inline call cost
+        # the caller the GIL (an 8-byte all_reduce 3x slower once a thread ran).
+        if self._queue or self._draining:
+            with self._cv:
+                self._cv.notify_all()
 
     def on_progress_thread(self) -> bool:
         """Whether the caller is the engine's progress thread (a Future callback)."""
@@ -325,13 +337,12 @@ class ProgressEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while (self._busy or not self._queue) and not self._stop:
-                    self._wait()
-                if not self._queue:
-                    self._thread_id = None  # idents are reused once a thread has ended
-                    return
+                while not (self._queue and self._take()):
+                    if self._stop and not self._queue:
+                        self._thread_id = None  # idents are reused once a thread has ended
+                        return
+                    self._wait()  # for work, or for the token an inline caller holds
                 fn, work = self._queue.popleft()
-                self._busy = True
                 abandoned = self._stop
             try:
                 refusal = self._refusal(work._label, closed=abandoned)
@@ -342,8 +353,17 @@ class ProgressEngine:
                     work._finish(functools.partial(self._run, fn, work._label))
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._idle.append(True)
                     self._cv.notify_all()
+
+    def _take(self) -> bool:
+        """Pop the token for the progress thread, under the condition's lock; whether it
+        was there (an inline caller may hold it)."""
+        try:
+            self._idle.pop()
+        except IndexError:
+            return False
+        return True
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for queued operations to finish; True if they did."""
@@ -351,7 +371,7 @@ class ProgressEngine:
             self._waiting += 1
             self._draining += 1
             try:
-                return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+                return self._cv.wait_for(lambda: not self._queue and bool(self._idle), timeout)
             finally:
                 self._waiting -= 1
                 self._draining -= 1

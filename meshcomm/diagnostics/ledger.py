@@ -32,7 +32,9 @@ from meshcomm.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_LENGTH",
+    "ENDED",
     "LEDGER_ENV",
+    "PACKAGE",
     "Entry",
     "Ledger",
     "ledger_length",
@@ -66,9 +68,12 @@ def ledger_length() -> int:
 # offset of its call instruction: the line number is looked up only when a report shows it,
 # since ``frame.f_lineno`` walks the line table on every call):
 _SEQ, _OP, _DTYPE, _SHAPE, _CODE, _LASTI, _ISSUED, _ENDED, _FAILED, _API, _EXTRA = range(11)
+#: The slot of a record's end time (:meth:`Ledger.end`), for the issuer's inline path.
+ENDED = _ENDED
 # Operations whose record's extra is a root (the others': a reduce op), when it is not the
 # general path's fingerprint fields (a dict with both).
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # meshcomm/
+#: meshcomm's own folder: frames of files under it are the library's, not the caller's.
+PACKAGE = _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _OPS = os.path.join(_PACKAGE, "ops") + os.sep
 # How far back head() looks for the last completed collective (async ones may still run).
 _HEAD_SCAN = 64
@@ -206,6 +211,9 @@ class Ledger:
     def __init__(self, length: int) -> None:
         self._ring: collections.deque[Entry] = collections.deque(maxlen=max(0, length))
         self.enabled = length > 0
+        #: The records (None when the ledger is off), for the issuer's inline path, which
+        #: appends what :meth:`add` would, written out (a call's frame is a tenth of it).
+        self.ring = self._ring if self.enabled else None
 
     def add(
         self, seq: int, op: str, dtype: Any, shape: Any, extra: dict[str, Any] | None = None

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
@@ -79,6 +81,9 @@ _SEQ_MASK = (1 << _fingerprint.SEQ_BITS) - 1
 # Call ``seq`` steps the comparison of the running hash (_mpi_history) when
 # ``not seq & _HISTORY``.
 _HISTORY = _mpi_history.MASK
+# The inline path's ledger record (see Issuer.run_plan): names bound once, read as globals.
+_getframe, _clock = sys._getframe, time.monotonic
+_PACKAGE, _ENDED = _ledger.PACKAGE, _ledger.ENDED
 #: Collectives whose fingerprints leave out where the caller's array lives.
 _LOCATION_FREE = frozenset({"broadcast", "scatter"})
 
@@ -551,7 +556,21 @@ class Issuer:
         # search for the caller's site (the 8-byte call's cost, counted by callgrind).
         name = plan.collective
         self.seq = seq = self.seq + 1
-        entry = self.book.add(seq, name, dtype, plan.in_shape, plan.ledger_fields)
+        # The ledger's record (Ledger.add's, written out: its two calls were a fifth of the
+        # group layer's instructions at 8 bytes): the caller's site is the first frame
+        # outside meshcomm, above this method's caller.
+        ring, entry = self.book.ring, None
+        if ring is not None:
+            frame: Any = _getframe(2)
+            api = None
+            while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+                api, frame = frame, frame.f_back
+            site, lasti = (None, 0) if frame is None else (frame.f_code, frame.f_lasti)
+            entry = [
+                seq, name, dtype, plan.in_shape, site, lasti, _clock(), None, False,
+                None if api is None else api.f_code, plan.ledger_fields,
+            ]  # fmt: skip
+            ring.append(entry)
         stamper, history = self._stamper, self.history
         if stamper is not None:
             stamper.stamp = plan.stamp_base | (seq & _SEQ_MASK)
@@ -561,7 +580,8 @@ class Issuer:
                     self._step(history, name, seq)
                 self.history = hash((history, plan.sig))  # _mpi_history.fold, inline
             run(x, out)
-            self.book.end(entry, False)
+            if entry is not None:
+                entry[_ENDED] = _clock()
         except BaseException as exc:
             self._settle_failed(exc, name, seq, entry, f"{name} (op #{seq}) on {self._where}")
         finally:

@@ -120,7 +120,7 @@ class Board:
         rank: int,
         mappings: Sequence[SharedMapping],
         peer_bells: Sequence[Bell] = (),
-        fence: Callable[[], None] = lambda: None,
+        fence: Callable[[], object] = lambda: None,
     ) -> None:
         self.members = tuple(members)
         self.rank = rank
@@ -279,7 +279,7 @@ class BoardAllReduce:
         board.seq = k
         board.fence()  # our word before the loads of the peers' flags (Dekker)
         for pb in board.peer_bells:
-            if pb.armed():
+            if not pb.mapping.closed and pb.sleepy():  # pb.armed(), without its frame
                 pb.ring()
         seqs = board.seqs
         for j in board.others:
@@ -301,9 +301,9 @@ class BoardAllReduce:
                     raise matching.mismatch(0, board.members[j], -2 - (theirs - 1))
         last_op = board.last_op
         ufunc = last_op[1] if last_op[0] is op else board.ufunc(op)
-        ufunc(views[0], views[1], out=recv)
+        ufunc(views[0], views[1], recv)  # out positionally: no keyword to parse
         for j in range(2, len(views)):
-            ufunc(recv, views[j], out=recv)
+            ufunc(recv, views[j], recv)
 
     def _wait(self, board: Board, k: int) -> None:
         seqs = board.seqs

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import secrets
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from meshcomm.backends.tcp.same_host.platform import (
@@ -75,6 +77,10 @@ _WAKE_OP_ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0
 _WAKE_ALL = 0x7FFFFFFF
 
 
+def _no_fence() -> None:
+    """The fence of a platform without one (its peers do not share plain memory)."""
+
+
 class Bell:
     """A mapped doorbell word (our own or a peer's)."""
 
@@ -82,7 +88,14 @@ class Bell:
         self.mapping = mapping
         self.rank = rank
         self._syscall = plat.syscall
-        self._fence = plat.fence
+        #: A full memory fence (a no-op where the platform has none): a C-level callable,
+        #: no Python frame, for the board's every call.
+        self.fence: Callable[[], object] = (
+            _no_fence if plat.fence is None else functools.partial(plat.fence, SEQ_CST)
+        )
+        #: The owner's may-be-asleep flag, read in place (:meth:`armed` without its frame;
+        #: check ``mapping.closed`` first).
+        self.sleepy: Callable[[], int] = functools.partial(mapping.load, _B_SLEEPY)
         self._nr = ctypes.c_long(plat.sys_futex)
         self._addr = ctypes.c_void_p(mapping.addr)
         self._wake_args = (
@@ -97,10 +110,6 @@ class Bell:
 
     def value(self) -> int:
         return self.mapping.load_word()
-
-    def fence(self) -> None:
-        if self._fence is not None:
-            self._fence(SEQ_CST)
 
     def armed(self) -> bool:
         """The owner's may-be-asleep flag (meaningful after a fence)."""
