@@ -561,7 +561,11 @@ class Issuer:
         # outside meshcomm, above this method's caller.
         ring, entry = self.book.ring, None
         if ring is not None:
-            frame: Any = _getframe(2)
+            frame: Any
+            try:
+                frame = _getframe(2)
+            except ValueError:  # called from a module's top level (a test), not a method
+                frame = _getframe(1)
             api = None
             while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
                 api, frame = frame, frame.f_back
