@@ -1,6 +1,13 @@
 """meshcomm's mpi backend and raw mpi4py, side by side in one MPI job. Run under mpiexec.
 
     mpiexec -n 2 python bench/peers/mpi_side_by_side.py all_reduce 8 64M --repeats 5
+    mpiexec -n 2 python bench/peers/mpi_side_by_side.py all_reduce 8 64K --backend tcp
+
+``--backend tcp`` times meshcomm's own tcp backend in the same processes instead (its world
+made beside MPI's: rank 0 picks the store's port and the job's secret and broadcasts them
+over MPI). Timed back to back in the same processes, both run on the same vCPUs at the same
+moments: on a VM whose cores change speed from run to run (docs/benchmarks.md, "The 8-byte
+path, third pass"), separate jobs compare one moment's speed with another's.
 
 For each size, both are timed ``--repeats`` times, alternating (raw, meshcomm, raw, ...) so
 machine noise hits both alike, exactly as ``meshcomm-bench`` and ``mpi4py_bench.py`` time
@@ -126,12 +133,17 @@ def main() -> None:
     p.add_argument("max_bytes", type=parse_size, nargs="?", default=parse_size("64M"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--backend", choices=["mpi", "tcp"], default="mpi", help="meshcomm's side")
     args = p.parse_args()
+    if args.op == "mesh" and args.backend != "mpi":
+        raise SystemExit("mpi_side_by_side: the mesh costs are the mpi backend's (--backend mpi)")
 
-    group = meshcomm.init(backend="mpi")
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if args.backend == "tcp":
+        _tcp_environment(comm)
+    group = meshcomm.init(backend=args.backend)
     world, rank = comm.Get_size(), comm.Get_rank()
 
     def slowest(seconds: float) -> float:
@@ -180,7 +192,7 @@ def main() -> None:
         else:
             print(
                 f"# {args.op}, world {world}: raw mpi4py {_RAW_CALLS[args.op]} vs meshcomm "
-                "mpi backend"
+                f"{args.backend} backend"
             )
             print(
                 f"# {args.repeats} alternating repeats per size, medians; busbw in GB/s; "
@@ -199,6 +211,28 @@ def main() -> None:
                     f"{r['raw_cpu_us']:>8.1f} {r['meshcomm_cpu_us']:>8.1f}"
                 )
     meshcomm.shutdown()
+
+
+def _tcp_environment(comm: Any) -> None:
+    """What ``meshcomm.init(backend="tcp")`` reads from a launcher, set from the MPI job:
+    this rank and the world's size, and the store's address and the job's secret, chosen on
+    rank 0 and broadcast."""
+    import secrets
+    import socket
+
+    offer = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            offer = (int(s.getsockname()[1]), secrets.token_hex(16))
+    port, secret = comm.bcast(offer, root=0)
+    os.environ.update(
+        RANK=str(comm.Get_rank()),
+        WORLD_SIZE=str(comm.Get_size()),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MESHCOMM_SECRET=secret,
+    )
 
 
 def mesh_costs(group: Any, comm: Any, repeats: int, slowest: Callable[[float], float]) -> None:
