@@ -31,12 +31,8 @@ Skipped, with the reason, when torch is not installed.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +44,9 @@ pytestmark = pytest.mark.skipif(
     reason="torch is not installed (pip install meshcomm[torch]): the c10d backend needs it",
 )
 
-from tests.test_torchrun import ROOT, _clean_env, _free_port  # noqa: E402
+from jobs import ROOT, Job  # noqa: E402
+
+from tests.test_torchrun import _clean_env, _free_port  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "scripts" / "c10d_collectives.py"
 ERRORS = ROOT / "tests" / "scripts" / "c10d_errors.py"
@@ -98,51 +96,22 @@ APART = (
 Record = dict[str, Any]
 
 
-class Launch:
-    """A job started in its own session; :meth:`finish` waits (bounded) and kills it if late."""
-
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.command = command
-        self.proc = subprocess.Popen(
-            command,
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-
-    def finish(self, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
-        """Wait up to ``timeout`` seconds; return the exit code and the output."""
-        try:
-            out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            out, _ = self.proc.communicate(timeout=30)
-            raise AssertionError(
-                f"{self.command} still ran after {timeout} s:\n{out[-4000:]}"
-            ) from None
-        return self.proc.returncode, out
-
-
-def _torchrun(nproc: int, *args: str, env: dict[str, str] | None = None) -> Launch:
+def _torchrun(nproc: int, *args: str, env: dict[str, str] | None = None) -> Job:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     command += ["--master-port", str(_free_port()), str(SCRIPT), *args]
-    return Launch(command, _clean_env(env))
+    return Job(command, _clean_env(env))
 
 
-def _meshrun(nproc: int, *args: str, env: dict[str, str] | None = None) -> Launch:
+def _meshrun(nproc: int, *args: str, env: dict[str, str] | None = None) -> Job:
     command = [sys.executable, "-m", "meshcomm.run", "--nproc-per-node", str(nproc)]
-    return Launch([*command, str(SCRIPT), *args], _clean_env(env))
+    return Job([*command, str(SCRIPT), *args], _clean_env(env))
 
 
-def _load(out_dir: Path, world: int, launch: Launch) -> dict[int, Record]:
+def _load(out_dir: Path, world: int, launch: Job) -> dict[int, Record]:
     """Every rank's record of a finished launch; fail with its output if it failed."""
     import torch
 
-    code, out = launch.finish()
+    code, out = launch.finish(JOB_TIMEOUT)
     assert code == 0, f"{launch.command} exited with {code}:\n{out[-6000:]}"
     found = {r: torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)}
     assert all(rec["rank"] == r for r, rec in found.items()), out[-4000:]
@@ -333,7 +302,7 @@ def test_unsupported_features_fail_before_any_io(jobs: Jobs) -> None:
         assert ours[rank]["values"]["unsupported then all_reduce"].tolist() == [3.0, 3.0]
 
 
-def _rank_launches(nproc: int, mode: str, out_dir: Path) -> dict[int, Launch]:
+def _rank_launches(nproc: int, mode: str, out_dir: Path) -> dict[int, Job]:
     """``c10d_errors.py`` started once per rank with torch's env:// variables."""
     port = str(_free_port())
     launches = {}
@@ -341,11 +310,11 @@ def _rank_launches(nproc: int, mode: str, out_dir: Path) -> dict[int, Launch]:
         env = {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank)}
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         command = [sys.executable, str(ERRORS), mode, str(out_dir)]
-        launches[rank] = Launch(command, _clean_env(env))
+        launches[rank] = Job(command, _clean_env(env))
     return launches
 
 
-def _findings(launches: dict[int, Launch], out_dir: Path) -> dict[int, dict[str, Any]]:
+def _findings(launches: dict[int, Job], out_dir: Path) -> dict[int, dict[str, Any]]:
     found = {}
     for rank, launch in launches.items():
         code, out = launch.finish(90)
@@ -441,8 +410,8 @@ def test_backend_autoload_and_explicit_import() -> None:
 
     names = {ep.name: ep.value for ep in entry_points(group="torch.backends")}
     assert any(v.startswith("meshcomm") for v in names.values()), names
-    auto = Launch([sys.executable, "-c", _AUTOLOAD], _clean_env())
-    explicit = Launch(
+    auto = Job([sys.executable, "-c", _AUTOLOAD], _clean_env())
+    explicit = Job(
         [sys.executable, "-c", _EXPLICIT], _clean_env({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     )
     for launch, words in ((auto, "autoload MeshcommProcessGroup"), (explicit, "explicit meshcomm")):

@@ -18,18 +18,17 @@ import math
 import os
 import pickle
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import ROOT, Job
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="torch is not installed (the test extra)"
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "dist_side_by_side.py"
 EXAMPLE = ROOT / "examples" / "ddp_tutorial.py"
 TIMEOUT = 240.0
@@ -53,43 +52,27 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 _TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _finish(cmd: list[str], proc: subprocess.Popen[str]) -> str | None:
-    """Wait for ``proc``; what went wrong with it, or None."""
+def _finish(job: Job) -> str | None:
+    """Wait for ``job``; what went wrong with it, or None."""
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        return f"{cmd}: timed out\n{out[-4000:]}"
-    if proc.returncode:
-        return f"{cmd}: exit {proc.returncode}\n{out[-4000:]}"
-    return None
+        code, out = job.finish(TIMEOUT)
+    except AssertionError as late:
+        return str(late)
+    return f"{job.command}: exit {code}\n{out[-4000:]}" if code else None
 
 
-def _run_both(commands: list[tuple[list[str], dict[str, str]]], torch_runs: int = -1) -> None:
+def _run_both(commands: list[tuple[list[str], dict[str, str]]], reference: int = -1) -> None:
     """Start every command, wait for all; fail with the output of any that failed.
 
-    ``torch_runs``: the index of torch's own run among ``commands`` (the reference), run
-    again once, alone, if it aborted in gloo's teardown.
+    ``reference``: the index of torch's own run among ``commands``, run again once, alone,
+    if it aborted in gloo's teardown.
     """
-    procs = [_start(cmd, env) for cmd, env in commands]
+    jobs = [Job(cmd, env) for cmd, env in commands]
     problems = []
-    for k, ((cmd, env), proc) in enumerate(zip(commands, procs, strict=True)):
-        problem = _finish(cmd, proc)
-        if problem is not None and k == torch_runs and _TORCH_TEARDOWN_ABORT in problem:
-            problem = _finish(cmd, _start(cmd, env))
+    for k, ((cmd, env), job) in enumerate(zip(commands, jobs, strict=True)):
+        problem = _finish(job)
+        if problem is not None and k == reference and _TORCH_TEARDOWN_ABORT in problem:
+            problem = _finish(Job(cmd, env))
         if problem is not None:
             problems.append(problem)
     assert not problems, "\n\n".join(problems)
@@ -129,7 +112,7 @@ def test_side_by_side_with_torch_gloo(tmp_path: Path) -> None:
                 _env({"DIST_IMPL": "meshcomm", "DIST_OUT": str(mesh_out)}),
             ),
         ],
-        torch_runs=0,
+        reference=0,
     )
     diffs: list[str] = []
     random_count = 0
@@ -210,7 +193,7 @@ def test_ddp_tutorial_matches_torch_ddp(tmp_path: Path) -> None:
                 ),
             ),
         ],
-        torch_runs=1,
+        reference=1,
     )
     got, want = torch.load(ours), torch.load(theirs)
     assert got.keys() == want.keys() == {"weight", "bias"}

@@ -10,27 +10,23 @@ Every test is skipped, with the reason, when torch is not installed.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import ROOT, Job
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None,
     reason="torch is not installed (pip install meshcomm[torch]): torchrun interop needs it",
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 MARK = "MESHCOMM-TORCHRUN "
 # A whole torchrun job (agent + workers importing torch and numpy) on a slow 2-core machine.
 JOB_TIMEOUT = 120.0
@@ -56,23 +52,7 @@ def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def _run(command: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run a command in its own session; kill the whole session if it outlives the timeout."""
-    proc = subprocess.Popen(
-        command,
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"{command} still ran after {JOB_TIMEOUT} s:\n{out[-4000:]}") from None
-    return proc.returncode, out
+    return Job(command, env).finish(JOB_TIMEOUT)
 
 
 def _records(out: str) -> dict[int, dict[str, Any]]:
@@ -139,27 +119,18 @@ def test_torchrun_c10d_rendezvous_backend() -> None:
 
 def _launch(rank_envs: list[dict[str, str]]) -> list[dict[str, Any]]:
     """Start one worker per environment (each runs :func:`worker`); return their records."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(len(rank_envs))],
-            env=_clean_env(env),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for env in rank_envs
+    jobs = [
+        Job([sys.executable, __file__, str(len(rank_envs))], _clean_env(env)) for env in rank_envs
     ]
     outs = []
     try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=JOB_TIMEOUT)[0])
+        for job in jobs:
+            outs.append(job.proc.communicate(timeout=JOB_TIMEOUT)[0])
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate(timeout=30)
+        for job in jobs:
+            if job.proc.poll() is None:
+                job.kill()
+                job.proc.communicate(timeout=30)
     records = [_records(out) for out in outs]
     assert all(len(r) == 1 for r in records), "\n".join(o[-3000:] for o in outs)
     return [next(iter(r.values())) for r in records]

@@ -113,7 +113,7 @@ class Bell:
 
     def armed(self) -> bool:
         """The owner's may-be-asleep flag (meaningful after a fence)."""
-        return not self.mapping.closed and self.mapping.load(_B_SLEEPY) != 0
+        return not self.mapping.closed and self.sleepy() != 0
 
     def ring(self) -> None:
         if self.mapping.closed:
