@@ -10,6 +10,10 @@ kept. Each tree is imported through ``PYTHONPATH`` from a neutral working direct
 module run with ``-m`` puts the working directory ahead of ``PYTHONPATH``). Prints one table
 per world: the three times (us), the ratios after/before and after/MPICH (and before/MPICH),
 and the spread (min..max) of the after tree's times. ``--json`` keeps every run.
+
+Put both trees at paths of one length (``/tmp/base`` against ``/tmp/head``, say): the path's
+length moves where the heap places the arrays, and one placement halved MPICH's large
+all_reduces (docs/benchmarks.md, "The 8-byte path on mpi, fourth pass").
 """
 
 from __future__ import annotations
