@@ -106,3 +106,16 @@ def test_benches_that_read_a_groups_internals_still_run() -> None:
     tree = str(REPO / "bench" / "tree_overhead.py")
     out = _run(sys.executable, tree, str(REPO), str(REPO), "--iters", "20", "--rounds", "1")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_mpi_floor_bench_still_runs() -> None:
+    """bench/peers/mpi_floor.py reads the group's communicator and the mpi backend's runner
+    (private state): it must keep running after a refactor, every line in its table."""
+    mpiexec = BIN / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec next to this Python (the venv's MPICH)")
+    script = str(REPO / "bench" / "peers" / "mpi_floor.py")
+    out = _run(str(mpiexec), "-n", "2", sys.executable, script, "--repeats", "1", "--iters", "5")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for line in ("raw", "bare", "runner", "method", "group", "persistent"):
+        assert re.search(rf"^ +{line} +[\d.]+ +[-+][\d.]+$", out.stdout, re.M), out.stdout
