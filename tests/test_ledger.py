@@ -32,6 +32,30 @@ def test_every_route_is_recorded_with_the_callers_line() -> None:
         assert records[0]["dtype"] == "float32" and records[0]["shape"] == (4,)
 
 
+def _psum_both_paths(world: ProcessGroup) -> list[dict[str, object]]:
+    import meshcomm
+
+    mesh = meshcomm.init_device_mesh((world.size,), mesh_dim_names=("tp",))
+    group = mesh.get_group("tp")
+    x = np.ones(3, np.float32)
+    for general_path in (True, False):
+        group._issuer.debug = general_path  # DETAIL's checks take the call through Ledger.add
+        meshcomm.ops.psum(x, "tp", mesh=mesh)
+    group._issuer.debug = False
+    return group.ledger()
+
+
+def test_the_direct_path_records_what_the_general_path_does() -> None:
+    """Issuer.run_plan writes Ledger.add's record itself (a frame less per call): one call
+    site's two records, one from each, must read the same, the caller's line and the API
+    the user called (psum) included."""
+    for records in run_ranks(_psum_both_paths, 2, timeout=60):
+        general, direct = ({k: v for k, v in r.items() if k != "seconds"} for r in records)
+        assert general.pop("seq") == 1 and direct.pop("seq") == 2
+        assert direct == general, (general, direct)
+        assert str(direct["site"]).startswith("test_ledger.py:") and direct["name"] == "psum"
+
+
 def test_the_ledger_is_bounded_over_many_calls() -> None:
     g = ProcessGroup(SelfCommunicator(timeout=10))
     x = np.ones(2, np.float32)

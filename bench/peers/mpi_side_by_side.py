@@ -214,9 +214,9 @@ def main() -> None:
 
 
 def _tcp_environment(comm: Any) -> None:
-    """What ``meshcomm.init(backend="tcp")`` reads from a launcher, set from the MPI job:
-    this rank and the world's size, and the store's address and the job's secret, chosen on
-    rank 0 and broadcast."""
+    """What ``meshcomm.init(backend="tcp")`` needs beside what mpiexec set (the rank and the
+    world's size, read from ``PMI_RANK`` and ``PMI_SIZE``): the store's address and the job's
+    secret, chosen on rank 0 and broadcast."""
     import secrets
     import socket
 
@@ -227,8 +227,6 @@ def _tcp_environment(comm: Any) -> None:
             offer = (int(s.getsockname()[1]), secrets.token_hex(16))
     port, secret = comm.bcast(offer, root=0)
     os.environ.update(
-        RANK=str(comm.Get_rank()),
-        WORLD_SIZE=str(comm.Get_size()),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         MESHCOMM_SECRET=secret,

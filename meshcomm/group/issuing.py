@@ -84,6 +84,8 @@ _HISTORY = _mpi_history.MASK
 # The inline path's ledger record (see Issuer.run_plan): names bound once, read as globals.
 _getframe, _clock = sys._getframe, time.monotonic
 _PACKAGE, _ENDED = _ledger.PACKAGE, _ledger.ENDED
+# Issuer.last_all_reduce before a first call (no dtype is None).
+_NO_LAST: tuple[Any, ...] = (None, None, None, None)
 #: Collectives whose fingerprints leave out where the caller's array lives.
 _LOCATION_FREE = frozenset({"broadcast", "scatter"})
 
@@ -164,6 +166,9 @@ class Issuer:
         self._calls: dict[str, _lower.Call] = {}
         # One plan per call signature (_plans.Plan), made on first use, dropped by close().
         self.plans: dict[tuple[Any, ...], _Planned] = {}
+        # all_reduce's last numpy signature and its plan, (dtype, shape, op, plan), which
+        # ProcessGroup.all_reduce compares before building and hashing the plans' key.
+        self.last_all_reduce: tuple[Any, ...] = _NO_LAST
         # The device calls' plans, by the same keys (a cupy call's signature reads as a
         # numpy call's).
         self.device_plans: dict[tuple[Any, ...], _Planned] = {}
@@ -185,6 +190,7 @@ class Issuer:
             _mpi_history.wait_quietly(self._pending, timeout)
         self._pending = None
         self.plans.clear()
+        self.last_all_reduce = _NO_LAST
         self.device_plans.clear()
 
     # -- the main route --------------------------------------------------------------------

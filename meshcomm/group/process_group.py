@@ -151,8 +151,6 @@ class ProcessGroup(SubGroups, PointToPoint):
         self._issuer: Issuer = Issuer(self, comm, engine, self._where, debug, checks, device)
         self._engine: ProgressEngine = engine
         self._book = self._issuer.book
-        # all_reduce's last signature and its plan: (dtype, shape, op, plan).
-        self._last_all_reduce: tuple[Any, ...] = (None, None, None, None)
         self._children = 0
         # Made with the group (not on first use: two threads would count messages apart).
         self._p2p = None if device is None else _device_p2p.for_communicators(comm, device)
@@ -347,7 +345,7 @@ class ProcessGroup(SubGroups, PointToPoint):
                 # last signature's plan is compared first (identity and a tuple comparison
                 # cost less than building and hashing the key).
                 plan: Any
-                dtype, last = x.dtype, self._last_all_reduce
+                dtype, last = x.dtype, issuer.last_all_reduce
                 if last[0] is dtype and last[2] is op and last[1] == x.shape:
                     return issuer.run_plan(last[3], x, async_op)
                 try:
@@ -355,7 +353,7 @@ class ProcessGroup(SubGroups, PointToPoint):
                 except TypeError:  # an unhashable op: Issuer.call's checks name it
                     plan = None
                 if plan is not None:
-                    self._last_all_reduce = (dtype, x.shape, op, plan)
+                    issuer.last_all_reduce = (dtype, x.shape, op, plan)
                     return issuer.run_plan(plan, x, async_op)
             return issuer.call(_coll.ALL_REDUCE, x, async_op, op, factor)
         if (
